@@ -1,0 +1,77 @@
+"""Gradient-norm clipping that works when gradients live on different meshes.
+
+`torch.nn.utils.clip_grad_norm_` fails when DTensor gradients come from several meshes
+(FSDP-only parameters next to FSDP x TP ones). Here the norm is computed per mesh (DTensor
+reductions resolve their own placements), the per-mesh norms are combined, and under
+pipeline parallelism the stages' contributions are summed over the pp group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The norm of all gradients together, as a plain tensor equal on every rank.
+
+    Args:
+        params: parameters whose .grad is a tensor or a DTensor (any mesh).
+        norm_type: p of the p-norm; inf supported.
+        pp_group: when given, norms of the pipeline stages are combined over it.
+    """
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p.grad)
+    parts: list[torch.Tensor] = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
+        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not parts:
+        device = torch.device("cpu")
+        total = torch.zeros((), device=device)
+    elif math.isinf(norm_type):
+        total = torch.stack(parts).max()
+    else:
+        total = torch.stack(parts).pow(norm_type).sum()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=pp_group)
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Scale gradients in place so their total norm is at most max_norm; returns the norm
+    before clipping (like torch's clip_grad_norm_).
+
+    Example::
+
+        norm = clip_grad_norm_(model.parameters(), 1.0)
+    """
+    params = [p for p in params if p.grad is not None]
+    total = total_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
+    grads_by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        assert p.grad is not None
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        grads_by_mesh.setdefault(key, []).append(p.grad)
+    for grads in grads_by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=None)
+    return total

@@ -1,0 +1,207 @@
+"""The training engine: a thin facade with DeepSpeed's method names over parts that each
+live in their own module (zero, precision, clip, schedulers, distributed).
+
+A DeepSpeed loop ports unchanged::
+
+    for x, y in loader:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()          # steps the optimizer only at the accumulation boundary
+
+Built by `fsdpx.shard`; not meant to be constructed directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from fsdpx.clip import clip_grad_norm_
+from fsdpx.config import Config
+from fsdpx.distributed import guarded
+from fsdpx.parallel_dims import ParallelDims
+from fsdpx.precision import LossScaler, grads_have_overflow, unscale_grads_
+from fsdpx.zero import prepare_micro_step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What happened at one accumulation boundary."""
+
+    global_step: int
+    """engine.global_steps after this step."""
+    skipped: bool
+    """True when an fp16 overflow skipped the optimizer step (parameters untouched)."""
+    grad_norm: float | None
+    """Total gradient norm before clipping (None when clipping is off or the step skipped)."""
+    loss_scale: float
+    """The loss scale in force for the step's backward passes."""
+
+
+class Engine:
+    """Runtime state of one sharded model. See the module docstring for the loop."""
+
+    def __init__(
+        self,
+        *,
+        module: FSDPModule,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        cfg: Config,
+        dims: ParallelDims,
+        mesh: DeviceMesh,
+        loss_scaler: LossScaler,
+        device: torch.device,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = cfg
+        self.parallel_dims = dims
+        self.mesh = mesh
+        self.device = device
+        self.loss_scaler = loss_scaler
+        self.loss_fn = loss_fn
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._last_grad_norm: float | None = None
+        self._params = [p for p in module.parameters() if p.requires_grad]
+
+    # --- forward / backward / step ----------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    @guarded
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the coming backward/step is the last micro-step of an optimizer step."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    @guarded
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of loss / gradient_accumulation_steps (times the fp16 loss scale).
+
+        Returns the unscaled loss, like DeepSpeed.
+        """
+        prepare_micro_step(
+            self.module, self.config.zero, is_boundary=self.is_gradient_accumulation_boundary()
+        )
+        factor = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        (loss * factor if factor != 1.0 else loss).backward()
+        return loss
+
+    @guarded
+    def step(self) -> StepResult | None:
+        """Count a micro-step; at the boundary unscale, skip on overflow, clip, step the
+        optimizer and scheduler, and zero the gradients. Returns None between boundaries."""
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return None
+        self.micro_steps += 1
+        scale = self.loss_scaler.scale
+        skipped = False
+        if self.loss_scaler.dynamic or scale != 1.0:
+            # The overflow check is a world-wide all-reduce: every rank must skip together.
+            overflow = grads_have_overflow(self._params)
+            skipped = self.loss_scaler.update(overflow)
+            if not skipped and scale != 1.0:
+                unscale_grads_(self._params, 1.0 / scale)
+        self._last_grad_norm = None
+        if not skipped:
+            if self.config.gradient_clipping > 0:
+                norm = clip_grad_norm_(self._params, self.config.gradient_clipping)
+                self._last_grad_norm = float(norm)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        return StepResult(self.global_steps, skipped, self._last_grad_norm, scale)
+
+    @guarded
+    def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """Run gradient_accumulation_steps micro-steps from data_iter and one optimizer step.
+
+        Each batch is `(inputs, targets)`: the loss is `loss_fn(module(inputs), targets)`
+        when shard() got a loss_fn, else `module(inputs, targets)` (models that compute
+        their own loss). A dict batch is passed as keyword arguments. Returns the mean
+        loss over the micro-steps and the data-parallel ranks (the global batch loss).
+        """
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.config.gradient_accumulation_steps):
+            loss = self._loss_of(next(data_iter))
+            self.backward(loss)
+            self.step()
+            total += loss.detach().float()
+        return self.all_reduce_mean(total / self.config.gradient_accumulation_steps)
+
+    def _loss_of(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict):
+            return self.module(**batch)
+        inputs, targets = batch
+        if self.loss_fn is not None:
+            return self.loss_fn(self.module(inputs), targets)
+        return self.module(inputs, targets)
+
+    # --- evaluation -------------------------------------------------------------------
+
+    def all_reduce_mean(self, value: torch.Tensor | float) -> torch.Tensor:
+        """The mean of `value` over the data-parallel ranks (every rank gets it).
+
+        Example (every rank evaluates its share, the mean loss is reported)::
+
+            with torch.no_grad():
+                loss = model_loss(engine(x_val), y_val)
+            val_loss = engine.all_reduce_mean(loss).item()
+        """
+        t = torch.as_tensor(value, dtype=torch.float32, device=self.device).clone()
+        group = ParallelDims.dp_mesh(self.mesh).get_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+            t /= dist.get_world_size(group)
+        return t
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # --- DeepSpeed-style accessors ----------------------------------------------------
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the last step's gradients (computed when clipping is on)."""
+        return self._last_grad_norm
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()

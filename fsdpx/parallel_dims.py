@@ -1,0 +1,87 @@
+"""ParallelDims: the mesh sizes of one job and the named DeviceMesh views built from them.
+
+One world mesh with axes (pp, dp_replicate, dp_shard, tp) is built; every technique takes
+the sub-mesh it needs by name. The object is passed explicitly, never stored globally.
+
+Example::
+
+    dims = ParallelDims.from_config(cfg.mesh, world_size=8)   # dp_shard=-1 -> inferred
+    mesh = dims.build_mesh("cpu")
+    fully_shard(block, mesh=dims.dp_mesh(mesh))
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdpx.config import MeshConfig
+
+
+class Axis(str, enum.Enum):
+    """Mesh axis names: `axis` always means one of these, `dim` a tensor dimension."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    TP = "tp"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, mesh: MeshConfig, world_size: int) -> ParallelDims:
+        """Resolve dp_shard=-1 and check that the product of the axes is the world size."""
+        fixed = mesh.pp * mesh.dp_replicate * mesh.tp
+        dp_shard = mesh.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed != 0:
+                raise ValueError(
+                    f"cannot infer mesh.dp_shard: world size {world_size} is not divisible by "
+                    f"pp({mesh.pp}) * dp_replicate({mesh.dp_replicate}) * tp({mesh.tp}) = "
+                    f"{fixed}; choose mesh sizes whose product divides the world size"
+                )
+            dp_shard = world_size // fixed
+        product = fixed * dp_shard
+        if product != world_size:
+            raise ValueError(
+                f"mesh sizes pp({mesh.pp}) * dp_replicate({mesh.dp_replicate}) * "
+                f"dp_shard({dp_shard}) * tp({mesh.tp}) = {product} do not equal the world "
+                f"size {world_size}; set mesh.dp_shard to -1 to infer it"
+            )
+        return cls(mesh.pp, mesh.dp_replicate, dp_shard, mesh.tp, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ranks see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world mesh with every axis named (size-1 axes included, so names always exist)."""
+        names = tuple(a.value for a in Axis)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=names)
+        # Flattened views used by FSDP (HSDP wants the 2D view) and by loss/metric averaging.
+        mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten(mesh_dim_name="dp")
+        return mesh
+
+    @staticmethod
+    def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards over: 2D (replicate, shard) so HSDP and DDP share one path."""
+        return mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]
+
+    @staticmethod
+    def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+        """All data-parallel ranks flattened into one axis (for metric averaging)."""
+        return mesh["dp"]

@@ -1,0 +1,116 @@
+"""`fsdpx.shard`: the recipe that turns a model and a Config into an Engine.
+
+The order follows torchtitan's parallelize recipe: find blocks, activation checkpointing,
+compile, then ZeRO sharding (FSDP2) per block and root; a model built on the meta device
+is materialised only after sharding, so each rank allocates only its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdpx.activation_checkpoint import apply_activation_checkpointing
+from fsdpx.blocks import find_blocks
+from fsdpx.config import Config
+from fsdpx.distributed import init_distributed
+from fsdpx.engine import Engine
+from fsdpx.materialize import materialize_
+from fsdpx.optim import build_optimizer
+from fsdpx.parallel_dims import ParallelDims
+from fsdpx.precision import build_loss_scaler, mp_policy
+from fsdpx.schedulers import build_scheduler
+from fsdpx.zero import apply_zero, dims_for_stage
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
+
+
+def shard(
+    model: nn.Module,
+    cfg: Config | None = None,
+    optimizer: OptimizerArg = None,
+    lr_scheduler: Any = None,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> Engine:
+    """Shard `model` in place as `cfg` says and return the training engine.
+
+    Args:
+        model: the model, on CPU/CUDA or on the meta device (then materialised shard by
+            shard and initialised with `init_fn`, else its `reset_parameters()`).
+        cfg: the Config; defaults to Config() (ZeRO-3, fp32, AdamW).
+        optimizer: None builds cfg.optimizer over the sharded parameters; a callable
+            `params -> Optimizer` is called with them. An optimizer instance must already
+            hold the sharded parameters, so it can only be made after sharding.
+        lr_scheduler: None builds cfg.scheduler; a callable `optimizer -> scheduler`, or a
+            scheduler over the engine's optimizer.
+        loss_fn: `loss_fn(outputs, targets)` used by engine.train_batch.
+        init_fn: initialises a meta-built model after materialisation.
+    Returns:
+        The Engine (engine.module is `model`, now sharded).
+
+    Example::
+
+        engine = fsdpx.shard(GPT(GPTConfig()), fsdpx.Config.from_file("zero2.json"))
+    """
+    cfg = cfg or Config()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            "an optimizer built before fsdpx.shard holds the unsharded parameters, which "
+            "sharding replaces; pass optimizer=None (built from cfg.optimizer) or a callable "
+            "such as `lambda params: torch.optim.AdamW(params, lr=1e-4)`"
+        )
+    info = init_distributed(cfg)
+    dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
+    if dims.tp > 1 or dims.pp > 1:
+        raise NotImplementedError(
+            f"mesh.tp={dims.tp}, mesh.pp={dims.pp}: tensor and pipeline parallelism are not "
+            "implemented yet; use tp=1 and pp=1"
+        )
+    mesh = dims.build_mesh(info.device.type)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        model.to(info.device)
+
+    blocks = find_blocks(model, cfg.zero.block_classes)
+    apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
+    if cfg.compile:
+        for block in blocks:
+            block.compile()
+    sharded = apply_zero(
+        model,
+        blocks,
+        mesh=ParallelDims.fsdp_mesh(mesh),
+        zero=cfg.zero,
+        mp_policy=mp_policy(cfg.precision),
+    )
+    if on_meta:
+        materialize_(model, info.device, seed=cfg.seed, init_fn=init_fn)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        sched = lr_scheduler(opt)
+    elif lr_scheduler is None:
+        sched = build_scheduler(opt, cfg.scheduler)
+    else:
+        raise ValueError(
+            "lr_scheduler must be None (built from cfg.scheduler) or a callable "
+            "`optimizer -> scheduler`: a scheduler made before fsdpx.shard wraps an "
+            "optimizer the engine does not use"
+        )
+    return Engine(
+        module=sharded,
+        optimizer=opt,
+        lr_scheduler=sched,
+        cfg=cfg,
+        dims=dims,
+        mesh=mesh,
+        loss_scaler=build_loss_scaler(cfg),
+        device=info.device,
+        loss_fn=loss_fn,
+    )
