@@ -6,7 +6,7 @@ parameter names, and with them checkpoints and state dicts, stay the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -18,15 +18,25 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from fsdpx.config import ActivationCheckpointConfig
 
 # Outputs worth keeping under selective checkpointing: the expensive ops. Everything else
-# (norms, activations, adds) is recomputed in backward.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+# (norms, activations, adds) is recomputed in backward. The policy sees ops after autograd,
+# where nn.Linear is addmm/mm and SDPA is one backend kernel per device: CPU runs
+# `_scaled_dot_product_flash_attention_for_cpu`, which a CUDA-only list misses (its
+# attention would then be recomputed on CPU). Names absent from a torch build are skipped.
+_SAVE_OP_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+_SAVE_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in _SAVE_OP_NAMES
+    if hasattr(torch.ops.aten, name)
+)
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -38,9 +48,16 @@ def _selective_context() -> Any:
 
 
 def apply_activation_checkpointing(
-    blocks: list[nn.Module], cfg: ActivationCheckpointConfig
+    blocks: Sequence[nn.Module], cfg: ActivationCheckpointConfig
 ) -> list[nn.Module]:
     """Checkpoint the blocks `cfg.mode` selects, in place; returns the checkpointed blocks.
+
+    Args:
+        blocks: the model's blocks in order (fsdpx.blocks.find_blocks).
+        cfg: full: every block; every_n: blocks 0, n, 2n, ...; selective: every block,
+            keeping matmul and attention outputs; none: nothing.
+    Returns:
+        The blocks that were checkpointed.
 
     Example::
 
@@ -48,7 +65,14 @@ def apply_activation_checkpointing(
     """
     if cfg.mode == "none":
         return []
-    chosen = blocks[:: cfg.every_n] if cfg.mode == "every_n" else list(blocks)
+    if not blocks:
+        # Checkpointing nothing would silently ignore the option.
+        raise ValueError(
+            f"activation_checkpointing.mode is {cfg.mode!r} but the model has no blocks to "
+            "checkpoint (no nn.ModuleList / nn.Sequential of two or more same-class modules); "
+            "name the block classes in zero.block_classes, or set the mode to 'none'"
+        )
+    chosen = list(blocks[:: cfg.every_n] if cfg.mode == "every_n" else blocks)
     apply: Callable[[nn.Module], Any] = checkpoint
     if cfg.mode == "selective":
         apply = partial(checkpoint, context_fn=_selective_context)

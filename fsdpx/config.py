@@ -2,7 +2,9 @@
 
 `Config.from_dict` / `Config.from_file` are strict: an unknown key is an error with a
 did-you-mean, a value of the wrong type or outside its allowed set is an error that names
-the key, the value and what is allowed. A silently ignored option is a bug.
+the key, the value and what is allowed. A silently ignored option is a bug, so a key that
+the chosen variant does not read, set away from its default, is an error too (variants:
+scheduler.type, optimizer.type, activation_checkpointing.mode). All are ValueErrors.
 
 Example::
 
@@ -13,13 +15,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import types
-import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
+
+from fsdpx.strict_parse import parse_dataclass
 
 DType = Literal["fp32", "bf16", "fp16"]
 
@@ -27,6 +30,26 @@ DType = Literal["fp32", "bf16", "fp16"]
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ValueError(f"config key '{key}' must be {allowed}; got {value!r}")
+
+
+def _check_unused(obj: Any, section: str, chooser: str, reads: frozenset[str]) -> None:
+    """Reject fields that the variant named by `chooser` does not read, when they are set
+    away from their defaults: a silently ignored option is a bug. A key written with its
+    default value passes, so `from_dict(cfg.to_dict())` always works."""
+    choice = getattr(obj, chooser)
+    unused = [
+        f"'{section}.{f.name}' ({getattr(obj, f.name)!r})"
+        for f in dataclasses.fields(obj)
+        if f.name != chooser and f.name not in reads and getattr(obj, f.name) != f.default
+    ]
+    if unused:
+        what, it = ("key", "it") if len(unused) == 1 else ("keys", "them")
+        read = ", ".join(sorted(reads)) or "no keys"
+        raise ValueError(
+            f"config {what} {', '.join(unused)} set, but {section}.{chooser} {choice!r} does "
+            f"not read {it}; {choice!r} reads: {read}. Remove the {what}, or set "
+            f"{section}.{chooser} to one that uses {it}."
+        )
 
 
 @dataclass(frozen=True)
@@ -126,15 +149,20 @@ class OptimizerConfig:
     """The optimizer built when `fsdpx.shard` is called with optimizer=None."""
 
     type: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Which torch.optim optimizer to build."""
     lr: float = 1e-3
+    """Learning rate (the peak lr of a schedule whose max lr is left unset)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """adam/adamw only: decay rates of the first and second moment estimates."""
     eps: float = 1e-8
+    """adam/adamw only: added to the denominator for numerical stability."""
     weight_decay: float = 0.0
     """adamw: decoupled weight decay; adam/sgd: L2 penalty added to the gradient."""
     momentum: float = 0.0
     """sgd only."""
 
     def __post_init__(self) -> None:
+        _check_unused(self, "optimizer", "type", _OPTIMIZER_KEYS[self.type])
         _check(self.lr >= 0, "optimizer.lr", self.lr, ">= 0")
         _check(
             all(0 <= b < 1 for b in self.betas),
@@ -144,6 +172,41 @@ class OptimizerConfig:
         )
         _check(self.eps >= 0, "optimizer.eps", self.eps, ">= 0")
         _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
+        _check(self.momentum >= 0, "optimizer.momentum", self.momentum, ">= 0")
+
+
+# The OptimizerConfig fields each optimizer type reads (fsdpx/optim.py).
+_OPTIMIZER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
+    {
+        "adamw": frozenset({"lr", "betas", "eps", "weight_decay"}),
+        "adam": frozenset({"lr", "betas", "eps", "weight_decay"}),
+        "sgd": frozenset({"lr", "momentum", "weight_decay"}),
+    }
+)
+
+SCHEDULER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
+    {
+        "none": frozenset(),
+        "WarmupLR": frozenset(
+            {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}
+        ),
+        "WarmupDecayLR": frozenset(
+            {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}
+            | {"total_num_steps"}
+        ),
+        "WarmupCosineLR": frozenset(
+            {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "warmup_type"}
+            | {"cos_min_ratio"}
+        ),
+        "OneCycle": frozenset(
+            {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "decay_step_size"}
+            | {"cycle_first_step_size", "cycle_second_step_size"}
+            | {"cycle_first_stair_count", "cycle_second_stair_count"}
+        ),
+    }
+)
+"""The SchedulerConfig fields each scheduler type reads; any other field set away from its
+default is an error. fsdpx.schedulers takes its key lists from here."""
 
 
 @dataclass(frozen=True)
@@ -154,10 +217,15 @@ class SchedulerConfig:
     """
 
     type: Literal["none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"] = "none"
+    """Which schedule; each reads only the keys listed for it in SCHEDULER_KEYS."""
     warmup_min_lr: float = 0.0
+    """WarmupLR / WarmupDecayLR: lr at the start of warmup (and at the end of the decay)."""
     warmup_max_lr: float | None = None
+    """WarmupLR / WarmupDecayLR: lr at the end of warmup; None: each group's initial lr."""
     warmup_num_steps: int = 1000
+    """Warmup length in optimizer steps; 1 acts as 2, as in DeepSpeed."""
     warmup_type: Literal["log", "linear"] = "log"
+    """Shape of the warmup ramp."""
     total_num_steps: int | None = None
     """WarmupDecayLR / WarmupCosineLR: the step at which the decay reaches its end."""
     warmup_min_ratio: float = 0.0
@@ -165,15 +233,32 @@ class SchedulerConfig:
     cos_min_ratio: float = 0.0001
     """WarmupCosineLR: lr at total_num_steps as a fraction of the optimizer lr."""
     cycle_min_lr: float = 0.0
+    """OneCycle: lr at the start and end of the cycle."""
     cycle_max_lr: float | None = None
+    """OneCycle: lr at the peak of the cycle; None: each group's initial lr."""
     decay_lr_rate: float = 0.0
+    """OneCycle: after the cycle, lr = cycle_min_lr / (1 + decay_lr_rate * n / decay_step_size)."""
     cycle_first_step_size: int = 2000
+    """OneCycle: steps from cycle_min_lr up to the peak."""
     cycle_second_step_size: int | None = None
+    """OneCycle: steps from the peak back down; None: cycle_first_step_size."""
     cycle_first_stair_count: int = 0
+    """OneCycle: split the rise into this many flat stairs; 0: a straight ramp."""
     cycle_second_stair_count: int | None = None
+    """OneCycle: stairs of the fall; None: cycle_first_stair_count."""
     decay_step_size: int = 0
+    """OneCycle: steps per decay interval after the cycle; 0: no decay."""
 
     def __post_init__(self) -> None:
+        _check_unused(self, "scheduler", "type", SCHEDULER_KEYS[self.type])
+        # Unread keys hold their (valid) defaults by now, so every range check below
+        # concerns a key the chosen schedule reads.
+        _check(
+            self.warmup_num_steps >= 1,
+            "scheduler.warmup_num_steps",
+            self.warmup_num_steps,
+            "an integer >= 1 (1 acts as 2, as in DeepSpeed)",
+        )
         if self.type in ("WarmupDecayLR", "WarmupCosineLR"):
             if self.total_num_steps is None:
                 raise ValueError(
@@ -184,19 +269,47 @@ class SchedulerConfig:
                 self.total_num_steps > self.warmup_num_steps - (self.type == "WarmupCosineLR"),
                 "scheduler.total_num_steps",
                 self.total_num_steps,
-                f"greater than scheduler.warmup_num_steps ({self.warmup_num_steps})",
+                f"greater than scheduler.warmup_num_steps ({self.warmup_num_steps})"
+                + (" or equal to it" if self.type == "WarmupCosineLR" else ""),
             )
-        _check(
-            self.warmup_num_steps >= 0,
-            "scheduler.warmup_num_steps",
-            self.warmup_num_steps,
-            "an integer >= 0",
-        )
+        for name in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio", "cycle_min_lr"):
+            v = getattr(self, name)
+            _check(v >= 0, f"scheduler.{name}", v, ">= 0")
+        for name in ("warmup_max_lr", "cycle_max_lr"):
+            v = getattr(self, name)
+            _check(
+                v is None or v >= 0, f"scheduler.{name}", v, ">= 0, or null for the optimizer lr"
+            )
         _check(
             self.cycle_first_step_size >= 1,
             "scheduler.cycle_first_step_size",
             self.cycle_first_step_size,
             "an integer >= 1",
+        )
+        _check(
+            self.cycle_second_step_size is None or self.cycle_second_step_size >= 1,
+            "scheduler.cycle_second_step_size",
+            self.cycle_second_step_size,
+            "an integer >= 1, or null to reuse cycle_first_step_size",
+        )
+        _check(
+            self.cycle_first_stair_count >= 0,
+            "scheduler.cycle_first_stair_count",
+            self.cycle_first_stair_count,
+            "an integer >= 0 (0: no stairs)",
+        )
+        _check(
+            self.cycle_second_stair_count is None or self.cycle_second_stair_count >= 0,
+            "scheduler.cycle_second_stair_count",
+            self.cycle_second_stair_count,
+            "an integer >= 0, or null to reuse cycle_first_stair_count",
+        )
+        _check(self.decay_lr_rate >= 0, "scheduler.decay_lr_rate", self.decay_lr_rate, ">= 0")
+        _check(
+            self.decay_step_size >= 0,
+            "scheduler.decay_step_size",
+            self.decay_step_size,
+            "an integer >= 0 (0: no decay)",
         )
 
 
@@ -211,6 +324,8 @@ class ActivationCheckpointConfig:
     """With mode every_n: checkpoint blocks 0, n, 2n, ..."""
 
     def __post_init__(self) -> None:
+        reads = frozenset({"every_n"}) if self.mode == "every_n" else frozenset()
+        _check_unused(self, "activation_checkpointing", "mode", reads)
         _check(
             self.every_n >= 1, "activation_checkpointing.every_n", self.every_n, "an integer >= 1"
         )
@@ -269,97 +384,45 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Build a Config from plain data, rejecting unknown keys and bad values."""
-        return _parse_dataclass(cls, data, "")
+        return parse_dataclass(cls, data, "")
 
     @classmethod
     def from_file(cls, path: str | Path) -> Config:
-        """Load a JSON (.json) or TOML (.toml) file with the same keys as from_dict."""
+        """Load a JSON (.json) or TOML (.toml) file with the same keys as from_dict.
+
+        Every error about the file's content is a ValueError that starts with the path.
+        """
         path = Path(path)
-        text = path.read_text()
-        if path.suffix == ".toml":
+        kind = path.suffix.lower()
+        if kind not in (".json", ".toml"):
+            raise ValueError(
+                f"{path}: config files must end in .json or .toml; got suffix {path.suffix!r}. "
+                "Rename the file, or parse it yourself and call Config.from_dict."
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text: {e}") from None
+        if kind == ".toml":
             import tomllib
 
             try:
                 data = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as e:
+            except (tomllib.TOMLDecodeError, ValueError) as e:
                 raise ValueError(f"{path}: not valid TOML: {e}") from None
         else:
             try:
                 data = json.loads(text)
-            except json.JSONDecodeError as e:
+            # JSONDecodeError, or a ValueError such as Python's limit on integer digits.
+            except ValueError as e:
                 raise ValueError(f"{path}: not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
-
-
-# --- strict parsing -------------------------------------------------------------------
-
-
-def _parse_dataclass(cls: type, data: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(data, dict):
-        raise ValueError(f"config key '{where}' must be a table/object; got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            hint = (
-                f"; did you mean '{prefix}{close[0]}'?"
-                if close
-                else (f"; known keys here: {', '.join(names)}")
-            )
-            raise ValueError(f"unknown config key '{prefix}{key}'{hint}")
-        kwargs[key] = _parse_value(hints[key], value, f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-def _parse_value(tp: Any, value: Any, key: str) -> Any:
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _parse_dataclass(tp, value, key + ".")
-    if origin is Literal:
-        allowed = get_args(tp)
-        # bool is an int subclass: True must not pass as stage 1.
-        if value in allowed and type(value) is type(allowed[allowed.index(value)]):
-            return value
-        raise ValueError(
-            f"config key '{key}' must be one of {', '.join(map(repr, allowed))}; got {value!r}"
-        )
-    if origin in (Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _parse_value(args[0], value, key)
-    if origin is tuple:
-        args = get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"config key '{key}' must be a list; got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_parse_value(args[0], v, key) for v in value)
-        if len(value) != len(args):
-            raise ValueError(f"config key '{key}' must have {len(args)} items; got {value!r}")
-        return tuple(_parse_value(a, v, key) for a, v in zip(args, value, strict=True))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"config key '{key}' must be true or false; got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ValueError(f"config key '{key}' must be an integer; got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ValueError(f"config key '{key}' must be a number; got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"config key '{key}' must be a string; got {value!r}")
-    raise AssertionError(f"unhandled config type {tp!r} for '{key}'")

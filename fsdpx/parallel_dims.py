@@ -7,7 +7,7 @@ Example::
 
     dims = ParallelDims.from_config(cfg.mesh, world_size=8)   # dp_shard=-1 -> inferred
     mesh = dims.build_mesh("cpu")
-    fully_shard(block, mesh=dims.dp_mesh(mesh))
+    fully_shard(block, mesh=ParallelDims.fsdp_mesh(mesh))
 """
 
 from __future__ import annotations
@@ -20,17 +20,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdpx.config import MeshConfig
 
 
-class Axis(str, enum.Enum):
+class Axis(enum.StrEnum):
     """Mesh axis names: `axis` always means one of these, `dim` a tensor dimension."""
 
     PP = "pp"
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
     TP = "tp"
+    DP = "dp"
+    """dp_replicate and dp_shard flattened into one axis (made by build_mesh)."""
+
+
+# The axes of the world mesh, outermost first; Axis.DP is a view made from two of them.
+_WORLD_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The resolved size of every world-mesh axis; build it with from_config."""
+
     pp: int
     dp_replicate: int
     dp_shard: int
@@ -39,7 +47,20 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, mesh: MeshConfig, world_size: int) -> ParallelDims:
-        """Resolve dp_shard=-1 and check that the product of the axes is the world size."""
+        """Resolve dp_shard=-1 and check that the product of the axes is the world size.
+
+        Args:
+            mesh: the mesh section of the config.
+            world_size: the number of ranks of the job.
+        Returns:
+            The sizes, with dp_shard inferred when it was -1.
+
+        Example::
+
+            ParallelDims.from_config(MeshConfig(dp_replicate=2), world_size=8).dp_shard  # 4
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1; got {world_size=}")
         fixed = mesh.pp * mesh.dp_replicate * mesh.tp
         dp_shard = mesh.dp_shard
         if dp_shard == -1:
@@ -66,14 +87,15 @@ class ParallelDims:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
+        """Sizes in the world mesh's axis order: (pp, dp_replicate, dp_shard, tp)."""
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh with every axis named (size-1 axes included, so names always exist)."""
-        names = tuple(a.value for a in Axis)
+        names = tuple(a.value for a in _WORLD_AXES)
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=names)
         # Flattened views used by FSDP (HSDP wants the 2D view) and by loss/metric averaging.
-        mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten(mesh_dim_name="dp")
+        mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten(mesh_dim_name=Axis.DP.value)
         return mesh
 
     @staticmethod
@@ -84,4 +106,7 @@ class ParallelDims:
     @staticmethod
     def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         """All data-parallel ranks flattened into one axis (for metric averaging)."""
-        return mesh["dp"]
+        # Slicing a flattened axis from the root mesh (mesh["dp"]) is deprecated in torch;
+        # _flatten with the same name and layout returns the mesh build_mesh already made
+        # (no new process groups, so no collective here).
+        return ParallelDims.fsdp_mesh(mesh)._flatten(mesh_dim_name=Axis.DP.value)

@@ -40,8 +40,9 @@ Where fsdpx departs from DeepSpeed
   keys, so that is not implemented and the optimizer's momentum is left alone.
 * OneCycle picks a half-cycle's stair count by its exact integer position. DeepSpeed
   uses a float test, which with unequal stair counts can put the peak on the wrong stair.
-* Keys that the chosen schedule does not read, set away from their defaults, produce a
-  warning that names them. DeepSpeed raises a TypeError instead.
+* Keys that ``cfg.type`` does not read, set away from their defaults, are a ValueError
+  from ``SchedulerConfig`` itself (DeepSpeed raises a TypeError). A schedule class built
+  directly from a config of another type still warns about keys it does not read.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from fsdpx.config import SchedulerConfig
+from fsdpx.config import SCHEDULER_KEYS, SchedulerConfig
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "build_scheduler"]
 
@@ -93,8 +94,8 @@ class _DeepSpeedSchedule(LRScheduler):
     step, which already needs them.
     """
 
-    # SchedulerConfig fields this schedule reads; any other field set away from its
-    # default is reported, because a silently ignored option is a bug.
+    # SchedulerConfig fields this schedule reads (listed once, in fsdpx.config); any other
+    # field set away from its default is reported, because a silently ignored option is a bug.
     _CFG_KEYS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, optimizer: Optimizer, cfg: SchedulerConfig, *, last_epoch: int = -1) -> None:
@@ -124,7 +125,7 @@ class WarmupLR(_DeepSpeedSchedule):
     (below 2 acts as 2, as in DeepSpeed) and warmup_type.
     """
 
-    _CFG_KEYS = frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"})
+    _CFG_KEYS = SCHEDULER_KEYS["WarmupLR"]
 
     def __init__(self, optimizer: Optimizer, cfg: SchedulerConfig, *, last_epoch: int = -1) -> None:
         self.warmup_min_lr = cfg.warmup_min_lr
@@ -154,7 +155,7 @@ class WarmupDecayLR(WarmupLR):
     Reads WarmupLR's keys plus total_num_steps (required).
     """
 
-    _CFG_KEYS = WarmupLR._CFG_KEYS | {"total_num_steps"}
+    _CFG_KEYS = SCHEDULER_KEYS["WarmupDecayLR"]
 
     def __init__(self, optimizer: Optimizer, cfg: SchedulerConfig, *, last_epoch: int = -1) -> None:
         self.total_num_steps = _total_num_steps(cfg, "WarmupDecayLR")
@@ -175,9 +176,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
     warmup_min_ratio, warmup_num_steps (below 2 acts as 2), warmup_type, cos_min_ratio.
     """
 
-    _CFG_KEYS = frozenset(
-        {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "warmup_type", "cos_min_ratio"}
-    )
+    _CFG_KEYS = SCHEDULER_KEYS["WarmupCosineLR"]
 
     def __init__(self, optimizer: Optimizer, cfg: SchedulerConfig, *, last_epoch: int = -1) -> None:
         self.total_num_steps = _total_num_steps(cfg, "WarmupCosineLR")
@@ -215,11 +214,7 @@ class OneCycle(_DeepSpeedSchedule):
     is cycled; see the module docstring on momentum.
     """
 
-    _CFG_KEYS = frozenset(
-        {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "decay_step_size"}
-        | {"cycle_first_step_size", "cycle_second_step_size"}
-        | {"cycle_first_stair_count", "cycle_second_stair_count"}
-    )
+    _CFG_KEYS = SCHEDULER_KEYS["OneCycle"]
 
     def __init__(self, optimizer: Optimizer, cfg: SchedulerConfig, *, last_epoch: int = -1) -> None:
         second = cfg.cycle_second_step_size
