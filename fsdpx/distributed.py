@@ -1,37 +1,80 @@
-"""Process-group start-up and rank-failure handling.
+"""Process-group start-up, process-group timeouts and rank-failure handling.
 
 `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT); without it the job is one process and a private one-rank gloo group is
 made so every code path (FSDP2, DTensor) is the same at world size 1.
 
-[Note: rank failure] A rank that raises inside an engine call records
-"rank R: <error>" in the job's store before re-raising; its process then exits, which
-closes its gloo connections. Peers blocked in a collective fail (connection closed, or the
-process-group timeout when the failed rank lingers), read the record and raise
-`RankFailureError` naming rank R. Nothing waits longer than `Config.timeout_s`.
+[Note: rank failure]
+A rank that raises inside an engine call records "R: <type>: <message>" under one key of
+the job's store (`compare_set` against "", so the first failure is kept and the cascade
+of secondary errors on other ranks does not overwrite it), then re-raises its own error
+unchanged; its process exits, which closes its gloo connections. A peer blocked in a
+collective then fails in one of two ways (torch 2.13, gloo, checked by
+tests/test_rank_failure.py):
+
+- the failed process has exited: at once, RuntimeError "... Connection closed by peer ..."
+  or "... Read error ...: Connection reset by peer ...";
+- the failed process lingers (hung, sleeping, debugging): after the process-group
+  timeout, RuntimeError "... Timed out waiting 5000ms for recv (or send) operation to
+  complete"; a group being created times out with RuntimeError "Wait timeout".
+
+The peer then reads the record and raises `RankFailureError` naming rank R and R's error.
+A rank killed outright (SIGKILL, os._exit, the OOM killer) records nothing: its peers
+raise `RankFailureError` with failed_rank=None and gloo's message.
+
+Nothing waits longer than the group's timeout plus `_STORE_CALL_S` for the store lookup.
+The timeout must be `Config.timeout_s` on every group: init_distributed sets it on the
+default group, but groups made by `new_group` (so by DeviceMesh for an axis smaller than
+the world: HSDP, TP, PP) get torch's 30-minute gloo default whatever the default group's
+timeout, both while they are created (waiting for a dead peer's address) and afterwards.
+Create them with the timeout (DeviceMesh `backend_override` options) or set it afterwards
+with `set_process_group_timeouts`. The lookup runs in a daemon thread with a bounded join:
+a store whose server has exited fails fast (DistNetworkError), but a stalled one blocks
+`check`/`get` past the store's own timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import os
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpx.config import Config
 from fsdpx.errors import RankFailureError
 
 _FAILURE_KEY = "fsdpx/first_failure"
+_STORE_CALL_S = 5.0
+"""Longest wait for one store call made while failing (see [Note: rank failure])."""
+_MAX_RECORD_CHARS = 4096
+# Lower-cased fragments of the errors gloo (and NCCL) raise on a rank whose peer died or
+# stalled. Deliberately not "gloo"/"nccl" alone: local misuse ("ProcessGroupGloo::broadcast:
+# invalid root rank") is this rank's own error and must be recorded as such.
+_PEER_FAILURE_TEXT = (
+    "connection closed",
+    "connection reset",
+    "closed the connection",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "remote process exited",
+    "communicator was aborted",
+)
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class DistInfo:
+    """Where this process sits in the job (returned by init_distributed)."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -51,6 +94,10 @@ def resolve_device(cfg_device: str, local_rank: int) -> torch.device:
 def init_distributed(cfg: Config | None = None, *, timeout_s: float | None = None) -> DistInfo:
     """Start (or join) the default process group; gloo on CPU, nccl (+gloo for CPU) on CUDA.
 
+    An existing default group (made by the caller, or by an earlier call) is reused; its
+    timeout is set to the configured one, so `Config.timeout_s` bounds every collective
+    fsdpx runs, whoever made the group.
+
     Args:
         cfg: supplies `device` and `timeout_s`; defaults apply when None.
         timeout_s: overrides cfg.timeout_s.
@@ -66,8 +113,13 @@ def init_distributed(cfg: Config | None = None, *, timeout_s: float | None = Non
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else cfg.timeout_s)
+    seconds = timeout_s if timeout_s is not None else cfg.timeout_s
+    if seconds <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds; got {seconds}")
+    timeout = datetime.timedelta(seconds=seconds)
+    if dist.is_initialized():
+        set_process_group_timeouts(seconds)
+    else:
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
@@ -79,6 +131,32 @@ def init_distributed(cfg: Config | None = None, *, timeout_s: float | None = Non
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+def set_process_group_timeouts(timeout_s: float, *meshes: DeviceMesh) -> None:
+    """Set the timeout of the default group and of every group of `meshes`.
+
+    Groups made by `new_group` (and so by DeviceMesh for an axis smaller than the world)
+    take torch's default timeout (30 minutes on gloo), not the default group's: without
+    this a rank failure inside an HSDP or TP group waits half an hour. torchtitan and
+    `torch.distributed.breakpoint` set timeouts the same way.
+
+    Args:
+        timeout_s: seconds a collective may wait before it fails.
+        meshes: meshes whose per-axis groups get the timeout too (a flattened view such
+            as ParallelDims.dp_mesh(mesh) has its own group: pass it as well).
+
+    Example::
+
+        mesh = dims.build_mesh("cpu")
+        set_process_group_timeouts(cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh))
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups: list[dist.ProcessGroup] = [dist.distributed_c10d._get_default_group()]
+    for mesh in meshes:
+        groups.extend(mesh.get_all_groups())
+    for group in {id(g): g for g in groups}.values():
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def _store() -> dist.Store | None:
     try:
         return dist.distributed_c10d._get_default_store()
@@ -86,58 +164,98 @@ def _store() -> dist.Store | None:
         return None
 
 
+def _bounded(call: Callable[[], T], timeout_s: float = _STORE_CALL_S) -> T | None:
+    """call() in a daemon thread; None if it raised or took longer than timeout_s.
+
+    A thread left blocked on a stalled store is abandoned: the process is failing anyway.
+    """
+    result: list[T] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the store's server may itself be gone
+            result.append(call())
+
+    thread = threading.Thread(target=run, name="fsdpx-failure-store", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return result[0] if result else None
+
+
 def first_failure() -> tuple[int | None, str] | None:
-    """The first failure recorded by any rank, as (rank, message), or None."""
+    """The first failure recorded by any rank, as (rank, "Type: message"), or None.
+
+    Returns None too when the store cannot answer within a few seconds.
+    """
     store = _store()
     if store is None:
         return None
-    try:
-        if not store.check([_FAILURE_KEY]):
-            return None
-        text = store.get(_FAILURE_KEY).decode(errors="replace")
-    except Exception:  # the store's owner (rank 0) may itself be gone
+
+    def lookup() -> bytes | None:
+        # check() first: get() on an absent key would wait for the store's timeout.
+        return store.get(_FAILURE_KEY) if store.check([_FAILURE_KEY]) else None
+
+    raw = _bounded(lookup)
+    if not raw:
         return None
-    rank_text, _, message = text.partition(":")
+    rank_text, _, message = raw.decode(errors="replace").partition(":")
     return (int(rank_text) if rank_text.isdigit() else None, message.strip())
 
 
 def record_failure(exc: BaseException) -> None:
-    """Record this rank's failure for its peers; the first record wins."""
+    """Record this rank's failure for its peers; the first record of the job wins."""
     store = _store()
     if store is None or not dist.is_initialized():
         return
-    text = f"{dist.get_rank()}: {type(exc).__name__}: {exc}".encode()[:4096]
-    try:
-        # compare_set only writes when the key is absent (expected value b""), so the first
-        # failure is kept and a cascade of secondary errors does not overwrite it.
-        store.compare_set(_FAILURE_KEY, b"", text)
-    except Exception:
-        pass
+    text = f"{dist.get_rank()}: {type(exc).__name__}: {exc}"[:_MAX_RECORD_CHARS]
+    # compare_set(key, "", value) writes only when the key is absent (FileStore, TCPStore
+    # and HashStore alike), so a later, secondary failure never overwrites the first.
+    _bounded(lambda: store.compare_set(_FAILURE_KEY, "", text))
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError):
+    """Whether exc is a collective failing because another rank died or stalled."""
+    if isinstance(exc, dist.DistError):  # DistNetworkError, DistBackendError, DistStoreError
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        s in text
-        for s in (
-            "connection closed",
-            "connection reset",
-            "timed out",
-            "timeout",
-            "broken pipe",
-            "gloo",
-            "nccl",
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_FAILURE_TEXT)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _peer_failure_error(exc: BaseException) -> RankFailureError:
+    me = dist.get_rank() if dist.is_initialized() else 0
+    failure = first_failure()
+    if failure is not None and failure[0] is not None and failure[0] != me:
+        rank, what = failure
+        return RankFailureError(
+            f"rank {rank} failed with {what}; rank {me} stops too (its collective failed: "
+            f"{_first_line(exc)}). The traceback is in rank {rank}'s output.",
+            failed_rank=rank,
         )
+    earlier = f" This rank failed earlier with {failure[1]}." if failure is not None else ""
+    return RankFailureError(
+        f"a collective failed on rank {me} ({_first_line(exc)}) and no other rank recorded "
+        "an error: a rank was probably killed (SIGKILL, out of memory, os._exit) or stalled "
+        f"past the process-group timeout (Config.timeout_s).{earlier} Check the other "
+        "ranks' output.",
+        failed_rank=None,
     )
 
 
-@contextmanager
+@contextlib.contextmanager
 def failure_guard() -> Iterator[None]:
     """Turn a peer's failure into RankFailureError and record this rank's own failures.
 
-    See [Note: rank failure]. Used by the engine around every call that communicates.
+    This rank's own errors are re-raised unchanged. See [Note: rank failure]. Used by the
+    engine around every call that communicates.
+
+    Example::
+
+        with failure_guard():
+            loss.backward()
     """
     try:
         yield
@@ -145,17 +263,7 @@ def failure_guard() -> Iterator[None]:
         raise
     except Exception as exc:
         if _is_peer_failure(exc):
-            failure = first_failure()
-            me = dist.get_rank() if dist.is_initialized() else 0
-            if failure is not None and failure[0] != me:
-                raise RankFailureError(
-                    f"rank {failure[0]} failed ({failure[1]}); rank {me} stops too",
-                    failed_rank=failure[0],
-                ) from exc
-            raise RankFailureError(
-                f"a collective failed on rank {me} ({type(exc).__name__}: {exc}); another "
-                "rank probably died or stalled past the process-group timeout",
-            ) from exc
+            raise _peer_failure_error(exc) from exc
         record_failure(exc)
         raise
 
@@ -163,10 +271,9 @@ def failure_guard() -> Iterator[None]:
 def guarded(fn: Callable[..., T]) -> Callable[..., T]:
     """Decorator form of failure_guard for engine methods."""
 
+    @functools.wraps(fn)
     def wrapper(*args: object, **kwargs: object) -> T:
         with failure_guard():
             return fn(*args, **kwargs)
 
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
     return wrapper

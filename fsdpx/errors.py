@@ -1,4 +1,9 @@
-"""The small error hierarchy users can catch. Bad input is a plain ValueError."""
+"""The small error hierarchy users can catch. Bad input is a plain ValueError.
+
+FsdpxError (RuntimeError)
+  RankFailureError    another rank failed; this one stops (see [Note: rank failure]
+                      in fsdpx/distributed.py)
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,20 @@ class FsdpxError(RuntimeError):
 class RankFailureError(FsdpxError):
     """Another rank of the job failed; this rank stops instead of waiting forever.
 
-    `failed_rank` is the rank that failed first when it could be known, else None.
+    Raised by engine calls on the ranks that did not fail, within the process-group
+    timeout (Config.timeout_s). The failing rank itself raises its own error unchanged.
+
+    `failed_rank` is the rank that failed first when it recorded its error (it raised
+    inside an engine call), else None (it was killed, or stalled without raising). The
+    message names that rank and its error, or quotes the collective's error.
+
+    Example::
+
+        try:
+            engine.backward(loss)
+        except fsdpx.RankFailureError as e:
+            log.error("stopping: rank %s failed", e.failed_rank)
+            raise
     """
 
     def __init__(self, message: str, *, failed_rank: int | None = None) -> None:

@@ -12,6 +12,9 @@ Example::
         return some_tensor
 
     results = run_ranks(body, world_size=2, args=(3.0,))   # one entry per rank
+
+Tests of failures use `spawn_ranks`, which returns every rank's RankOutcome (exit code,
+exception type and message, when the process ended) instead of raising.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -31,6 +35,33 @@ DEFAULT_TIMEOUT_S = 240.0
 
 class RankError(AssertionError):
     pass
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one spawned rank ended."""
+
+    rank: int
+    exitcode: int | None
+    """The process's exit code (negative: killed by that signal)."""
+    killed_by_harness: bool
+    """True when the rank was still alive at spawn_ranks's timeout_s and was killed."""
+    ended_at: float
+    """time.time() when the parent first saw the process gone (within ~20 ms)."""
+    value: Any = None
+    """fn's return value when it returned."""
+    error_type: str | None = None
+    """The exception's class name when fn raised (None: returned, or died without a word)."""
+    error_message: str | None = None
+    """str() of that exception."""
+    failed_rank: int | None = None
+    """The exception's `failed_rank` attribute when it has one (fsdpx.RankFailureError)."""
+    error: str | None = None
+    """Type, message and remote traceback, or why there is no result."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 def _worker(
@@ -60,12 +91,16 @@ def _worker(
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         result = fn(rank, world_size, *args)
-        torch.save(("ok", result), out + ".part")
+        torch.save(("ok", result, {}), out + ".part")
     except BaseException as exc:  # report everything, including SystemExit
         code = 1
-        torch.save(
-            ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), out + ".part"
-        )
+        info = {
+            "error_type": type(exc).__name__,
+            "error_message": str(exc),
+            "failed_rank": getattr(exc, "failed_rank", None),
+        }
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        torch.save(("error", text, info), out + ".part")
     os.replace(out + ".part", out)
     # A process exiting right after gloo work can SIGABRT in teardown (DESIGN.md section 3):
     # destroy the group, then leave without running atexit handlers.
@@ -89,6 +124,26 @@ def run_ranks(
     """Run fn(rank, world_size, *args) on world_size spawned CPU processes; return the
     per-rank results in rank order or raise RankError with the first failing rank's trace.
     fn must be importable (a module-level function)."""
+    outcomes = spawn_ranks(
+        fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, env=env
+    )
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        raise RankError(f"rank {failed[0].rank} failed:\n{failed[0].error}")
+    return [o.value for o in outcomes]
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    pg_timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[RankOutcome]:
+    """Like run_ranks, but return how every rank ended (RankOutcome, in rank order)
+    instead of raising: for tests where ranks are meant to fail."""
     import torch
 
     ctx = mp.get_context("spawn")
@@ -103,23 +158,33 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
+        # Poll rather than join in order, so each rank's end time is known.
         deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in procs:
+        ended_at: dict[int, float] = {}
+        while len(ended_at) < world_size and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in ended_at and not p.is_alive():
+                    ended_at[r] = time.time()
+            time.sleep(0.02)
+        killed = set()
+        for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
-                p.join()
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+                killed.add(r)
+            p.join()
+            ended_at.setdefault(r, time.time())
+        outcomes = []
         for r, p in enumerate(procs):
+            outcome = RankOutcome(r, p.exitcode, r in killed, ended_at[r])
             path = os.path.join(tmp, f"rank{r}")
             if os.path.exists(path):
-                status, payload = torch.load(path, weights_only=False)
-                (results if status == "ok" else errors)[r] = payload
+                status, payload, info = torch.load(path, weights_only=False)
+                if status == "ok":
+                    outcome = replace(outcome, value=payload)
+                else:
+                    outcome = replace(outcome, error=payload, **info)
             else:
-                errors[r] = f"no result (exit code {p.exitcode}; timeout {timeout_s}s)"
-        if errors:
-            first = min(errors)
-            raise RankError(f"rank {first} failed:\n{errors[first]}")
-        return [results[r] for r in range(world_size)]
+                why = f"killed at the {timeout_s}s timeout" if r in killed else "no result"
+                outcome = replace(outcome, error=f"{why} (exit code {p.exitcode})")
+            outcomes.append(outcome)
+        return outcomes
