@@ -67,11 +67,13 @@ def clip_grad_norm_(
     """
     params = [p for p in params if p.grad is not None]
     total = total_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
-    grads_by_mesh: dict[object, list[torch.Tensor]] = {}
+    # clip_grads_with_norm_ takes the *parameters* and scales their .grad: handed the
+    # gradients themselves it finds no .grad on them and silently clips nothing.
+    params_by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         assert p.grad is not None
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        grads_by_mesh.setdefault(key, []).append(p.grad)
-    for grads in grads_by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=None)
+        params_by_mesh.setdefault(key, []).append(p)
+    for group in params_by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
     return total

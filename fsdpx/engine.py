@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdpx.clip import clip_grad_norm_
 from fsdpx.config import Config
 from fsdpx.distributed import guarded
+from fsdpx.export import save_full_model
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.precision import LossScaler, grads_have_overflow, unscale_grads_
 from fsdpx.zero import prepare_micro_step
@@ -61,7 +63,10 @@ class Engine:
         device: torch.device,
         loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        self.module = module
+        # One object, two static types: FSDPModule is a mixin that type checkers do not
+        # see as an nn.Module.
+        self.module: nn.Module = cast(nn.Module, module)
+        self._fsdp_root = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.config = cfg
@@ -74,7 +79,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_grad_norm: float | None = None
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
 
     # --- forward / backward / step ----------------------------------------------------
 
@@ -93,10 +98,11 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss / gradient_accumulation_steps (times the fp16 loss scale).
 
-        Returns the unscaled loss, like DeepSpeed.
+        Returns `loss` as given (no loss scale, no division); DeepSpeed instead returns
+        `loss.float() / gradient_accumulation_steps` when accumulating.
         """
         prepare_micro_step(
-            self.module, self.config.zero, is_boundary=self.is_gradient_accumulation_boundary()
+            self._fsdp_root, self.config.zero, is_boundary=self.is_gradient_accumulation_boundary()
         )
         factor = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         (loss * factor if factor != 1.0 else loss).backward()
@@ -112,7 +118,7 @@ class Engine:
         self.micro_steps += 1
         scale = self.loss_scaler.scale
         skipped = False
-        if self.loss_scaler.dynamic or scale != 1.0:
+        if self.loss_scaler.checks_overflow:
             # The overflow check is a world-wide all-reduce: every rank must skip together.
             overflow = grads_have_overflow(self._params)
             skipped = self.loss_scaler.update(overflow)
@@ -159,6 +165,7 @@ class Engine:
 
     # --- evaluation -------------------------------------------------------------------
 
+    @guarded
     def all_reduce_mean(self, value: torch.Tensor | float) -> torch.Tensor:
         """The mean of `value` over the data-parallel ranks (every rank gets it).
 
@@ -202,6 +209,22 @@ class Engine:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
+
+    @guarded
+    def save_16bit_model(
+        self, save_dir: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30
+    ) -> list[Path]:
+        """Write the full model as Hugging Face-style safetensors (DeepSpeed's name).
+
+        dtype None uses the precision config's param_dtype ("fp32" keeps fp32). Tensors are
+        gathered one at a time, so no rank holds the whole model. Every rank must call it.
+        """
+        return save_full_model(
+            self.module,
+            save_dir,
+            dtype=dtype or self.config.precision.param_dtype,
+            max_shard_bytes=max_shard_bytes,
+        )
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()

@@ -70,6 +70,9 @@ class LossScaler(ABC):
     """
 
     dynamic: bool = False
+    checks_overflow: bool = True
+    """Whether steps are checked for inf/nan gradients (and skipped on overflow). True for
+    every fp16 scaler, whatever its scale: a static scale of 1 still skips, as in DeepSpeed."""
     _STATE: tuple[str, ...] = ()
 
     @property
@@ -97,6 +100,8 @@ class LossScaler(ABC):
 
 class NoLossScaler(LossScaler):
     """Scale 1 that never skips a step: fp32 and bf16 have fp32's exponent range."""
+
+    checks_overflow = False
 
     @property
     def scale(self) -> float:

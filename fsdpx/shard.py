@@ -7,6 +7,7 @@ is materialised only after sharding, so each rank allocates only its shard.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.blocks import find_blocks
 from fsdpx.config import Config
-from fsdpx.distributed import init_distributed
+from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
 from fsdpx.materialize import materialize_
 from fsdpx.optim import build_optimizer
@@ -46,8 +47,9 @@ def shard(
         optimizer: None builds cfg.optimizer over the sharded parameters; a callable
             `params -> Optimizer` is called with them. An optimizer instance must already
             hold the sharded parameters, so it can only be made after sharding.
-        lr_scheduler: None builds cfg.scheduler; a callable `optimizer -> scheduler`, or a
-            scheduler over the engine's optimizer.
+        lr_scheduler: None builds cfg.scheduler; else a callable `optimizer -> scheduler`,
+            called with the engine's optimizer (a scheduler instance is rejected: it would
+            wrap an optimizer the engine does not use).
         loss_fn: `loss_fn(outputs, targets)` used by engine.train_batch.
         init_fn: initialises a meta-built model after materialisation.
     Returns:
@@ -58,11 +60,25 @@ def shard(
         engine = fsdpx.shard(GPT(GPTConfig()), fsdpx.Config.from_file("zero2.json"))
     """
     cfg = cfg or Config()
+    # Both checks come before anything is built: a failed call leaves `model` untouched.
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             "an optimizer built before fsdpx.shard holds the unsharded parameters, which "
             "sharding replaces; pass optimizer=None (built from cfg.optimizer) or a callable "
             "such as `lambda params: torch.optim.AdamW(params, lr=1e-4)`"
+        )
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError(
+            f"optimizer must be None (built from cfg.optimizer) or a callable "
+            f"`params -> Optimizer`; got {optimizer!r}. To choose the optimizer by name, set "
+            "cfg.optimizer.type"
+        )
+    if lr_scheduler is not None and (not callable(lr_scheduler) or hasattr(lr_scheduler, "step")):
+        raise ValueError(
+            f"lr_scheduler must be None (built from cfg.scheduler) or a callable "
+            f"`optimizer -> scheduler`; got {type(lr_scheduler).__name__}. A scheduler made "
+            "before fsdpx.shard wraps an optimizer the engine does not use: pass e.g. "
+            "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)`"
         )
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
@@ -72,7 +88,9 @@ def shard(
             "implemented yet; use tp=1 and pp=1"
         )
     mesh = dims.build_mesh(info.device.type)
-    on_meta = any(p.is_meta for p in model.parameters())
+    # Sub-mesh groups default to a 30-minute timeout; a dead peer must fail within ours.
+    set_process_group_timeouts(cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh))
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     if not on_meta:
         model.to(info.device)
 
@@ -93,16 +111,7 @@ def shard(
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        sched = lr_scheduler(opt)
-    elif lr_scheduler is None:
-        sched = build_scheduler(opt, cfg.scheduler)
-    else:
-        raise ValueError(
-            "lr_scheduler must be None (built from cfg.scheduler) or a callable "
-            "`optimizer -> scheduler`: a scheduler made before fsdpx.shard wraps an "
-            "optimizer the engine does not use"
-        )
+    sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
     return Engine(
         module=sharded,
         optimizer=opt,

@@ -75,11 +75,19 @@ def apply_zero(
         The model, now an FSDPModule.
     """
     plan = stage_plan(zero)
-    common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
+    offload = offload_policy or OffloadPolicy()
     for block in blocks:
-        fully_shard(block, reshard_after_forward=plan.block_reshard_after_forward, **common)
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=plan.block_reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+        )
     # The root (embeddings, head) is needed right away in backward: never reshard it.
-    fully_shard(model, reshard_after_forward=False, **common)
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload
+    )
     assert isinstance(model, FSDPModule)
     return model
 
