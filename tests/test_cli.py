@@ -1,0 +1,105 @@
+"""The `fsdpx` command line. The main paths run as a user runs them, in a subprocess
+(each start imports torch, about 3 s); message details are checked in-process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdpx.cli import main
+from fsdpx.config import Config
+
+
+def _fsdpx(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpx.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_config_show_prints_every_default(tmp_path: Path) -> None:
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"zero": {"stage": 2}, "gradient_accumulation_steps": 4}))
+    result = _fsdpx("config", "show", path)
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["zero"]["stage"] == 2
+    assert shown["gradient_accumulation_steps"] == 4
+    assert shown["optimizer"]["lr"] == Config().optimizer.lr  # a default, filled in
+    # Resolved output is itself a valid config that means the same thing.
+    assert Config.from_dict(shown) == Config.from_file(path)
+
+
+def test_config_show_reads_toml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "train.toml"
+    path.write_text("[zero]\nstage = 1\n")
+    assert main(["config", "show", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["zero"]["stage"] == 1
+
+
+def test_config_show_bad_file_exits_2_in_a_subprocess(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{"zero": {"stag": 2}}')
+    result = _fsdpx("config", "show", path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "unknown config key 'zero.stag'; did you mean 'zero.stage'?" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"zero": {"stage": 5}}', "config key 'zero.stage' must be one of 0, 1, 2, 3; got 5"),
+        ('{"optimizer": {"lr": "fast"}}', "config key 'optimizer.lr' must be a number"),
+        ("{not json", "bad.json: not valid JSON"),
+    ],
+)
+def test_config_show_bad_file_prints_the_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    assert main(["config", "show", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("fsdpx config show: error: ")
+    assert message in err
+
+
+def test_config_show_missing_file_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "show", str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert "nope.json" in err and "No such file" in err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in ([], ["config"], ["config", "show"], ["nope"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2, argv
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "config" in capsys.readouterr().out
+
+
+def test_console_script_is_installed(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("fsdpx")
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable} (package not pip-installed)")
+    path = tmp_path / "c.json"
+    path.write_text("{}")
+    result = subprocess.run(
+        [str(script), "config", "show", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == json.loads(json.dumps(Config().to_dict()))
