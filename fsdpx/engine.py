@@ -101,9 +101,14 @@ class Engine:
         Returns `loss` as given (no loss scale, no division); DeepSpeed instead returns
         `loss.float() / gradient_accumulation_steps` when accumulating.
         """
-        prepare_micro_step(
-            self._fsdp_root, self.config.zero, is_boundary=self.is_gradient_accumulation_boundary()
-        )
+        if self.config.gradient_accumulation_steps > 1:
+            # With one micro-step every backward is a boundary and FSDP's defaults (sync,
+            # reshard) already hold; setting them walks every module on each step.
+            prepare_micro_step(
+                self._fsdp_root,
+                self.config.zero,
+                is_boundary=self.is_gradient_accumulation_boundary(),
+            )
         factor = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         (loss * factor if factor != 1.0 else loss).backward()
         return loss

@@ -100,7 +100,14 @@ class ParallelDims:
 
     @staticmethod
     def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh FSDP shards over: 2D (replicate, shard) so HSDP and DDP share one path."""
+        """The mesh FSDP shards over: 2D (replicate, shard) for HSDP and DDP, else 1D shard.
+
+        A (1, N) mesh would work too, but FSDP2 then takes its hybrid path: an all-reduce
+        over a one-rank group per block and two placements on every parameter, which costs
+        measurable time in optimizer.step (benchmarks/step_overhead.py).
+        """
+        if mesh[Axis.DP_REPLICATE.value].size() == 1:
+            return mesh[Axis.DP_SHARD.value]
         return mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]
 
     @staticmethod
