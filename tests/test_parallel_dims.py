@@ -98,14 +98,16 @@ class TestBuildMesh:
         for rank, r in enumerate(results):
             fsdp, hsdp = r["fsdp"], r["hsdp"]
             assert fsdp["names"] == hsdp["names"] == world_names
-            assert fsdp["fsdp_names"] == hsdp["fsdp_names"] == ("dp_replicate", "dp_shard")
+            # Without replication FSDP gets the 1D shard mesh (no hybrid path); HSDP the 2D one.
+            assert fsdp["fsdp_names"] == ("dp_shard",)
+            assert hsdp["fsdp_names"] == ("dp_replicate", "dp_shard")
             assert fsdp["dp_names"] == hsdp["dp_names"] == ("dp",)
             assert fsdp["dp_size"] == hsdp["dp_size"] == 4
             assert fsdp["dp_sum"] == hsdp["dp_sum"] == 0 + 1 + 2 + 3
 
             assert fsdp["shape"] == (1, 1, 4, 1)
-            assert fsdp["fsdp_shape"] == (1, 4)
-            assert fsdp["fsdp_ranks"] == [[0, 1, 2, 3]]
+            assert fsdp["fsdp_shape"] == (4,)
+            assert fsdp["fsdp_ranks"] == [0, 1, 2, 3]
             assert fsdp["shard_sum"] == 6
 
             # HSDP: shard within {0, 1} and {2, 3}, replicate across them.
