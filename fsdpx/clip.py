@@ -29,13 +29,9 @@ def total_grad_norm(
         norm_type: p of the p-norm; inf supported.
         pp_group: when given, norms of the pipeline stages are combined over it.
     """
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(p.grad)
     parts: list[torch.Tensor] = []
-    for grads in by_mesh.values():
+    for group in _params_by_mesh(params):
+        grads = [p.grad for p in group if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
         parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not parts:
@@ -69,11 +65,16 @@ def clip_grad_norm_(
     total = total_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
     # clip_grads_with_norm_ takes the *parameters* and scales their .grad: handed the
     # gradients themselves it finds no .grad on them and silently clips nothing.
-    params_by_mesh: dict[object, list[torch.nn.Parameter]] = {}
-    for p in params:
-        assert p.grad is not None
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        params_by_mesh.setdefault(key, []).append(p)
-    for group in params_by_mesh.values():
+    for group in _params_by_mesh(params):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
     return total
+
+
+def _params_by_mesh(params: Iterable[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """Parameters with a gradient, grouped by their gradient's mesh (None: plain tensors)."""
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    return list(groups.values())
