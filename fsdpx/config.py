@@ -78,6 +78,29 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Where a ZeRO state lives between steps (DeepSpeed's offload_optimizer/offload_param)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """none: on the training device; cpu: host memory; nvme: files under nvme_path."""
+    nvme_path: str | None = None
+    """Directory for device "nvme" (a fast local disk); required with it."""
+    pin_memory: bool | None = None
+    """Pin host buffers; None: pin exactly when an accelerator exists (pinning without one
+    fails in torch)."""
+    buffer_mb: int = 256
+    """nvme only: host memory for the streaming buffers; the bound the swapper keeps to."""
+
+    def __post_init__(self) -> None:
+        _check(self.buffer_mb >= 1, "offload.buffer_mb", self.buffer_mb, "an integer >= 1 (MiB)")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError(
+                "offload device 'nvme' needs 'nvme_path': the directory on a fast local disk "
+                "where the offloaded state is kept"
+            )
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO stage and sharding layout (see DESIGN.md section 3 for the FSDP2 mapping)."""
 
@@ -89,6 +112,10 @@ class ZeroConfig:
     block_classes: tuple[str, ...] = ()
     """Class names of the blocks to shard one by one. Empty: every nn.ModuleList /
     nn.Sequential whose children all share one class is taken as the block list."""
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    """ZeRO-Offload / ZeRO-Infinity: fp32 master params and optimizer state off the device."""
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    """Parameter offload: sharded parameters live in host memory between uses."""
 
     def __post_init__(self) -> None:
         _check(
@@ -332,6 +359,100 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(frozen=True)
+class TensorParallelConfig:
+    """Tensor (and sequence) parallelism over the mesh's tp axis; used when mesh.tp > 1."""
+
+    plan: dict[str, str] | None = None
+    """Module-name pattern -> style ("colwise", "rowwise", "sequence_parallel", ...).
+    None: the automatic plan for recognised block layouts."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence between the tensor-parallel matmuls."""
+    loss_parallel: bool = False
+    """Keep the logits sharded over the vocabulary and compute the loss in parallel."""
+
+
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over the mesh's pp axis; used when mesh.pp > 1. Each optimizer
+    step runs gradient_accumulation_steps micro-batches through the schedule."""
+
+    schedule: Literal[
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    ] = "1F1B"
+    """A torch.distributed.pipelining schedule, by name."""
+    split_points: tuple[str, ...] = ()
+    """Module names where a new stage begins; empty: split the block list evenly."""
+    stages_per_rank: int = 1
+    """Stages each pp rank holds (interleaved schedules: >= 2; V schedules: exactly 2)."""
+    first_stage_layers: int | None = None
+    """Even split only: blocks on the first stage (it also holds the embeddings)."""
+    last_stage_layers: int | None = None
+    """Even split only: blocks on the last stage (it also holds the head and loss)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.stages_per_rank >= 1,
+            "pipeline.stages_per_rank",
+            self.stages_per_rank,
+            "an integer >= 1",
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How engine.save_checkpoint writes (format: checkpoint_tools/FORMAT.md)."""
+
+    compression: Literal["zstd", "none"] = "zstd"
+    """Frames are byte-shuffled and zstd-compressed, or stored as they are."""
+    zstd_level: int = 1
+    """zstd level; higher levels cost much more time for little size on weights."""
+    async_save: bool = False
+    """Snapshot to host memory and write from a background thread; training continues."""
+    keep_last: int = 0
+    """Keep this many newest checkpoints (never deleting the one `latest` names); 0: all."""
+
+    def __post_init__(self) -> None:
+        _check(
+            1 <= self.zstd_level <= 22, "checkpoint.zstd_level", self.zstd_level, "in [1, 22]"
+        )
+        _check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Live per-rank telemetry for the monitor (monitor/PROTOCOL.md)."""
+
+    enabled: bool = False
+    """Publish a record per step and events from every rank."""
+    relay: str | None = None
+    """Relay address (a Unix socket path or host:port); None: this node's default relay."""
+    queue_size: int = 4096
+    """Records kept while the relay is slow or absent; the oldest are dropped (counted)."""
+    tokens_per_step: int | None = None
+    """Tokens per optimizer step on this rank, for tokens/s and MFU; None: not shown."""
+
+    def __post_init__(self) -> None:
+        _check(self.queue_size >= 1, "telemetry.queue_size", self.queue_size, "an integer >= 1")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything `fsdpx.shard` needs. Build it directly, or with from_dict/from_file."""
 
@@ -351,6 +472,10 @@ class Config:
     activation_checkpointing: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available, else CPU."""
     seed: int = 0

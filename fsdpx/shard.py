@@ -80,6 +80,13 @@ def shard(
             "before fsdpx.shard wraps an optimizer the engine does not use: pass e.g. "
             "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)`"
         )
+    for name in ("offload_optimizer", "offload_param"):
+        device = getattr(cfg.zero, name).device
+        if device != "none":
+            raise NotImplementedError(
+                f"zero.{name}.device={device!r}: offload is not implemented yet; "
+                f"set zero.{name}.device to 'none'"
+            )
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
     if dims.tp > 1 or dims.pp > 1:

@@ -66,6 +66,14 @@ def _parse_value(tp: Any, value: Any, key: str) -> Any:
         if len(value) != len(args):
             raise ValueError(f"config key '{key}' must have {len(args)} items; got {value!r}")
         return tuple(_parse_value(a, v, key) for a, v in zip(args, value, strict=True))
+    if origin is dict:
+        key_tp, value_tp = get_args(tp)
+        if not isinstance(value, dict):
+            raise ValueError(f"config key '{key}' must be a table/object; got {value!r}")
+        return {
+            _parse_value(key_tp, k, key): _parse_value(value_tp, v, f"{key}.{k}")
+            for k, v in value.items()
+        }
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -64,7 +64,7 @@ def _bad(data: dict[str, Any], match: str) -> None:
         (
             {"zero": {"xyz": 1}},
             r"^unknown config key 'zero\.xyz'; known keys here: "
-            r"stage, hpz_partition_size, block_classes$",
+            r"stage, hpz_partition_size, block_classes, offload_optimizer, offload_param$",
         ),
         ({"qqq": 1}, r"^unknown config key 'qqq'; known keys here: " + ", ".join(TOP_KEYS) + "$"),
         ({7: 1}, r"^unknown config key '7'; known keys here: "),
@@ -551,3 +551,29 @@ def test_one_bad_value_anywhere_only_raises_value_error(cfg: Config, data: st.Da
     target[key] = data.draw(near_values, label="value")
     with contextlib.suppress(ValueError):
         Config.from_dict(d)
+
+
+def test_tensor_parallel_plan_is_a_table_of_strings() -> None:
+    cfg = Config.from_dict({"tensor_parallel": {"plan": {"blocks.*.attn.q": "colwise"}}})
+    assert cfg.tensor_parallel.plan == {"blocks.*.attn.q": "colwise"}
+    with pytest.raises(ValueError, match=r"^config key 'tensor_parallel.plan' must be a table"):
+        Config.from_dict({"tensor_parallel": {"plan": ["colwise"]}})
+    with pytest.raises(
+        ValueError, match=r"^config key 'tensor_parallel.plan.a' must be a string; got 3$"
+    ):
+        Config.from_dict({"tensor_parallel": {"plan": {"a": 3}}})
+
+
+def test_nvme_offload_needs_a_path() -> None:
+    with pytest.raises(ValueError, match=r"^offload device 'nvme' needs 'nvme_path'"):
+        Config.from_dict({"zero": {"offload_optimizer": {"device": "nvme"}}})
+
+
+def test_offload_is_refused_until_implemented() -> None:
+    import torch
+
+    import fsdpx
+
+    cfg = Config.from_dict({"zero": {"offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(NotImplementedError, match=r"zero.offload_optimizer.device='cpu'"):
+        fsdpx.shard(torch.nn.Linear(2, 2), cfg)
