@@ -429,9 +429,7 @@ class CheckpointConfig:
     """Keep this many newest checkpoints (never deleting the one `latest` names); 0: all."""
 
     def __post_init__(self) -> None:
-        _check(
-            1 <= self.zstd_level <= 22, "checkpoint.zstd_level", self.zstd_level, "in [1, 22]"
-        )
+        _check(1 <= self.zstd_level <= 22, "checkpoint.zstd_level", self.zstd_level, "in [1, 22]")
         _check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "an integer >= 0")
 
 
