@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (Python >= 3.10) with the CPU build of torch and fsdpx installed editable
-# with its dev tools. Idempotent: a second run reuses .venv and skips pip while
+# with its dev tools and the monitor's dependencies. Idempotent: a second run reuses .venv and skips pip while
 # pyproject.toml is unchanged.
 #
 # TORCH_SPEC picks the torch requirement (default torch==2.13.0; it is installed first so
@@ -23,6 +23,6 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && .venv/bin/python -c "imp
 fi
 # shellcheck disable=SC2086  # TORCH_PIP_ARGS is a list of arguments
 .venv/bin/pip install --quiet "$TORCH_SPEC" ${TORCH_PIP_ARGS:-}
-.venv/bin/pip install --quiet -e '.[dev]'
+.venv/bin/pip install --quiet -e '.[dev,monitor]'
 printf '%s' "$want" > "$stamp"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
