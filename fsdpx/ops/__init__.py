@@ -1,0 +1,39 @@
+"""Native ops for fsdpx, each with a pure-PyTorch reference it is bitwise equal to.
+
+- `fsdpx.ops.adam`: `adam_step`, fused Adam/AdamW with unscale, inf/nan check and a bf16/fp16
+  copy-out in the same memory pass (CPU; CUDA where a GPU is present).
+- `fsdpx.ops.aio`: asynchronous file reads/writes into host tensors.
+- `fsdpx.ops.quant`: blockwise int8 / fp8 quantization.
+
+Schemas live in csrc/schemas.cpp (`TORCH_LIBRARY(fsdpx, m)`), kernels in csrc/*.cpp (CPU) and
+csrc/cuda/ (CUDA). The library is built on first use into a per-user cache (see
+`fsdpx.ops._loader`), or prebuilt with `FSDPX_BUILD_OPS=1 pip install --no-build-isolation .`.
+Check what is in use with `load_ops()` / `load_cuda_ops()`.
+
+Example::
+
+    from fsdpx.ops import adam_step, load_ops
+    print(load_ops())           # OpsStatus(available=True, ..., build_seconds=21.3)
+    adam_step([p], [p.grad], [m], [v], lr=1e-3, step=1)
+"""
+
+from fsdpx.ops._loader import OpsStatus, load_cuda_ops, load_ops
+from fsdpx.ops.adam import adam_step, adam_step_reference
+from fsdpx.ops.aio import AioError, AioHandle, AioPool, aligned_empty
+from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
+
+__all__ = [
+    "AioError",
+    "AioHandle",
+    "AioPool",
+    "OpsStatus",
+    "adam_step",
+    "adam_step_reference",
+    "aligned_empty",
+    "dequantize_fp8",
+    "dequantize_int8",
+    "load_cuda_ops",
+    "load_ops",
+    "quantize_fp8",
+    "quantize_int8",
+]

@@ -1,0 +1,27 @@
+// Every fsdpx op schema, declared once. Kernels register per backend in their own files with
+// TORCH_LIBRARY_IMPL(fsdpx, CPU / CUDA, m); the CUDA library has no TORCH_LIBRARY of its own
+// (a namespace may be defined only once per process), so it needs this CPU library loaded
+// first (fsdpx/ops/_loader.py does that). Each op's contract is documented with its Python
+// wrapper and reference in fsdpx/ops/<op>.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fsdpx, m) {
+  // fsdpx/ops/adam.py. Lists are per tensor (one entry per parameter); an empty
+  // max_exp_avg_sqs means no amsgrad, an empty param_copies means no 16-bit copy-out.
+  // Returns a 0-dim bool tensor: True when check_finite found a non-finite gradient, in
+  // which case nothing was written.
+  m.def(
+      "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] param_copies, *, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
+      "bool decoupled_weight_decay=True, bool maximize=False, float inv_grad_scale=1.0, "
+      "bool check_finite=False) -> Tensor");
+
+  // fsdpx/ops/quant.py. Blockwise symmetric quantization of x.reshape(-1): returns q (x's
+  // shape, int8 / float8_e4m3fn) and one float32 scale per block_size elements.
+  m.def("quantize_int8(Tensor x, int block_size) -> (Tensor, Tensor)");
+  m.def("dequantize_int8(Tensor q, Tensor scales, int block_size, ScalarType dtype) -> Tensor");
+  m.def("quantize_fp8(Tensor x, int block_size) -> (Tensor, Tensor)");
+  m.def("dequantize_fp8(Tensor q, Tensor scales, int block_size, ScalarType dtype) -> Tensor");
+  // The aio thread pool is a custom class (torch.classes.fsdpx.AioPool), registered in aio.cpp.
+}
