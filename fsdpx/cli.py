@@ -1,6 +1,9 @@
 """The `fsdpx` command line.
 
     fsdpx config show FILE      print FILE's fully resolved config (every default filled) as JSON
+    fsdpx config explain FILE   translate a DeepSpeed config; table of mapped/ignored/refused keys
+    fsdpx estimate --params 1.3B --world-size 64   per-rank memory per ZeRO stage / offload
+    fsdpx demo                  train the example GPT on 2 CPU ranks and watch it live
 
 Exit codes: 0 success, 2 bad input (unreadable file, invalid config, bad arguments).
 
@@ -27,7 +30,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config(commands)
+    _add_estimate(commands)
+    _add_demo(commands)
     return parser
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    # The demo lives with the monitor (monitor/demo.py); imported only when run.
+    from monitor.demo import add_arguments
+
+    demo = commands.add_parser(
+        "demo",
+        help="train the example GPT on 2 CPU ranks with the live monitor",
+        description="Launch examples/train_gpt.py on CPU ranks with telemetry on and open "
+        "the monitor on it in this terminal (plain progress lines when stdout is not a "
+        "terminal). Writes a replay log and the training's output under --out.",
+    )
+    add_arguments(demo)
+    demo.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from monitor.demo import run_demo
+
+    return run_demo(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,6 +81,7 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     )
     show.add_argument("file", metavar="FILE", type=Path)
     show.set_defaults(func=_config_show)
+    _add_config_explain(sub)
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -67,6 +94,121 @@ def _config_show(args: argparse.Namespace) -> int:
         print(f"fsdpx config show: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(json.dumps(cfg.to_dict(), indent=2))
+    return EXIT_OK
+
+
+def _add_config_explain(sub: argparse._SubParsersAction) -> None:
+    explain = sub.add_parser(
+        "explain",
+        help="translate a DeepSpeed config and show what each key became",
+        description="Translate a DeepSpeed ds_config file (JSON with // and /* */ comments "
+        "and trailing commas) and print the fsdpx config and, for every key, whether it was "
+        "mapped (and to what), ignored (and why) or refused (and what to use instead). "
+        "With --all-keys, print every DeepSpeed key fsdpx knows as a Markdown table.",
+    )
+    explain.add_argument("file", metavar="FILE", type=Path, nargs="?")
+    explain.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks in the job (batch-size rule, MiCS); default: $WORLD_SIZE, else 1",
+    )
+    explain.add_argument("--all-keys", action="store_true", help="print the whole key table")
+    explain.set_defaults(func=_config_explain)
+
+
+def _config_explain(args: argparse.Namespace) -> int:
+    from fsdpx.deepspeed_config import explain, world_size_from_env
+    from fsdpx.deepspeed_explain import format_explain, key_table_markdown
+
+    if args.all_keys:
+        print(key_table_markdown())
+        return EXIT_OK
+    if args.file is None:
+        print("fsdpx config explain: error: give FILE or --all-keys", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        rows, cfg, error = explain(args.file, world_size=args.world_size)
+    except (ValueError, OSError) as exc:
+        message = str(exc) if isinstance(exc, ValueError) else f"{args.file}: {exc.strerror}"
+        print(f"fsdpx config explain: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    world = world_size_from_env(args.world_size)
+    print(format_explain(rows, cfg, str(args.file), world))
+    if error is not None:
+        print(f"fsdpx config explain: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+# --- fsdpx estimate -------------------------------------------------------------------
+
+
+def _add_estimate(commands: argparse._SubParsersAction) -> None:
+    est = commands.add_parser(
+        "estimate",
+        help="per-rank memory for each ZeRO stage and offload setting",
+        description="Per-rank bytes of parameters, gradients and optimizer state for each "
+        "ZeRO stage and offload setting, next to DeepSpeed's estimators; with --model "
+        "returning (model, sample_inputs), also activations and the peak from a fake run of "
+        "the real sharding (any world size, nothing allocated).",
+    )
+    what = est.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", help="parameter count, e.g. 1.3B, 350M, 7e9")
+    what.add_argument(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        help="a function returning the model, or (model, sample_inputs); built on meta",
+    )
+    cfg = est.add_mutually_exclusive_group()
+    cfg.add_argument("--config", type=Path, help="an fsdpx config file (JSON or TOML)")
+    cfg.add_argument("--deepspeed", type=Path, help="a DeepSpeed config file")
+    est.add_argument("--world-size", type=int, default=1)
+    est.add_argument("--largest-layer-params", help="stage 3 with --params: largest block")
+    est.add_argument("--gpus-per-node", type=int, default=None)
+    est.set_defaults(func=_estimate)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import importlib
+    import os
+
+    from fsdpx.config import Config
+    from fsdpx.estimate import estimate_report, parse_count
+
+    try:
+        if args.config is not None:
+            cfg = Config.from_file(args.config)
+        elif args.deepspeed is not None:
+            cfg = Config.from_deepspeed(args.deepspeed, world_size=args.world_size)
+        else:
+            cfg = Config()
+        sample = None
+        if args.model is not None:
+            module_name, _, fn_name = args.model.partition(":")
+            if os.getcwd() not in sys.path:  # `fsdpx` run from a project: import its modules
+                sys.path.insert(0, os.getcwd())
+            import torch
+
+            with torch.device("meta"):
+                built = getattr(importlib.import_module(module_name), fn_name)()
+            model, sample = built if isinstance(built, tuple) else (built, None)
+            target = model
+        else:
+            target = parse_count(args.params)
+        layer = args.largest_layer_params
+        text = estimate_report(
+            target,
+            cfg,
+            args.world_size,
+            sample_inputs=sample,
+            largest_layer_params=parse_count(layer) if layer else None,
+            gpus_per_node=args.gpus_per_node,
+        )
+    except (ValueError, OSError, ImportError, AttributeError) as exc:
+        print(f"fsdpx estimate: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(text)
     return EXIT_OK
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,49 @@ def test_console_script_is_installed(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == json.loads(json.dumps(Config().to_dict()))
+
+
+# --- fsdpx config explain (DeepSpeed configs) ---------------------------------------------
+
+DS_DATA = Path(__file__).parent / "data" / "deepspeed_configs"
+
+
+def test_config_explain_prints_config_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    path = DS_DATA / "zero2_fp16_dynamic_hjson.json"
+    assert main(["config", "explain", str(path), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    head, table = out.split(f"# DeepSpeed keys of {path}\n")
+    shown = json.loads(head.split("\n", 1)[1])
+    assert Config.from_dict(shown) == Config.from_deepspeed(path, world_size=2)
+    lines = {line.split()[0]: line for line in table.splitlines()[1:] if line.strip()}
+    assert "mapped    zero.stage = 2" in lines["zero_optimization.stage"]
+    assert "ignored   FSDP2 overlaps communication" in lines["zero_optimization.overlap_comm"]
+    assert out.rstrip().splitlines()[-1].startswith(f"DeepSpeed config {path} -> fsdpx Config")
+
+
+def test_config_explain_shows_refusals_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, // comment\n "optimizer": {"type": "Lamb",},}')
+    assert main(["config", "explain", str(path), "--world-size", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"^optimizer\.type +Lamb +refused +optimizer type", out, re.M)
+    assert err.startswith("fsdpx config explain: error: ")
+    assert "optimizer type 'Lamb' is not built into fsdpx" in err
+
+
+def test_config_explain_all_keys_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "explain", "--all-keys"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| DeepSpeed key | fsdpx | notes |")
+    assert "| `zero_optimization.stage` | mapped (derived) |" in out
+    assert "| `zero_optimization.zero_quantized_weights` | refused (accepted when false) |" in out
+    assert main(["config", "explain"]) == 2
+    assert "give FILE or --all-keys" in capsys.readouterr().err
+
+
+def test_config_explain_in_a_subprocess() -> None:
+    result = _fsdpx("config", "explain", DS_DATA / "zero3_hpz.json", "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    assert "zero.hpz_partition_size = 2" in result.stdout
