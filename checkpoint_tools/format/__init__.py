@@ -1,0 +1,55 @@
+"""The fsdpx checkpoint format (spec: checkpoint_tools/FORMAT.md): writer, reader, errors.
+
+This package imports only torch (tensors), numpy, msgpack, zstandard and the standard
+library: never torch.distributed, never the fsdpx runtime, never pickle. The runtime
+re-exports it as `fsdpx.checkpoint.format`; the offline tools import it directly, so
+`fsdpx-ckpt` starts without loading the training stack.
+"""
+
+from checkpoint_tools.format.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
+from checkpoint_tools.format.layout import (
+    DTYPES,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    MANIFEST_NAME,
+)
+from checkpoint_tools.format.names import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    model_name,
+    optim_name,
+    split_optim_name,
+)
+from checkpoint_tools.format.reader import CheckpointReader
+from checkpoint_tools.format.schema import Chunk, Piece, RankFile, TensorMeta
+from checkpoint_tools.format.writer import RankWriter, write_manifest
+
+__all__ = [
+    "DTYPES",
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "MANIFEST_NAME",
+    "MODEL_PREFIX",
+    "OPTIM_PREFIX",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "CheckpointReader",
+    "CheckpointVersionError",
+    "Chunk",
+    "Piece",
+    "RankFile",
+    "RankWriter",
+    "TensorMeta",
+    "model_name",
+    "optim_name",
+    "split_optim_name",
+    "write_manifest",
+]

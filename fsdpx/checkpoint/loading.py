@@ -1,0 +1,367 @@
+"""Loading: every rank reads exactly its own rectangles (see [Note: pieces] in state.py),
+so a checkpoint loads onto another world size, ZeRO stage or mesh.
+
+Each rank works alone (no collective while reading), then all ranks vote once: if any
+rank failed, every rank raises the same error (type and message of the lowest failing
+rank), so no rank is left waiting in a collective while another has raised.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdpx.checkpoint import commit
+from fsdpx.checkpoint.format import (
+    MODEL_PREFIX,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointReader,
+    CheckpointVersionError,
+    optim_name,
+)
+from fsdpx.checkpoint.state import (
+    local_tensor,
+    model_tensors,
+    param_names,
+    rectangle,
+    restore_param_groups,
+    set_rng_state,
+)
+
+_REBUILDABLE: dict[str, type[Exception]] = {
+    c.__name__: c
+    for c in (
+        ValueError,
+        NotImplementedError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        CheckpointCorruptError,
+        CheckpointFormatError,
+        CheckpointVersionError,
+    )
+}
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What load() restored."""
+
+    path: Path
+    """The checkpoint directory that was loaded."""
+    client_state: dict[str, Any]
+    """The client_state given to save (rank 0's)."""
+    engine_state: dict[str, int] = field(default_factory=dict)
+    """Step counters given to save ({} with load_module_only)."""
+
+
+def resolve(directory: str | Path, tag: str | None) -> Path:
+    """The checkpoint directory `tag` (None: the one `<directory>/latest` names)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(
+            f"checkpoint directory {str(root)!r} does not exist (or is not a directory)"
+        )
+    found = [d.name for d in commit.committed(root)]
+    listing = (
+        f"Committed checkpoints there: {found}; pass tag=<one of them> to load one."
+        if found
+        else "It holds no committed checkpoint either; check the path."
+    )
+    if tag is None:
+        tag = commit.read_latest(root)
+        if tag is None:
+            raise CheckpointNotFoundError(
+                f"no checkpoint to load: {str(root)!r} has no 'latest' file (written after "
+                f"a checkpoint is committed). {listing}"
+            )
+        try:
+            commit.check_tag(tag)
+        except ValueError:
+            raise CheckpointFormatError(
+                f"{str(root / commit.LATEST)!r} names {tag!r}, which is not a checkpoint tag"
+            ) from None
+        named = " (the one 'latest' names)"
+    else:
+        commit.check_tag(tag)
+        named = ""
+    path = root / tag
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint {str(path)!r}{named} does not exist. {listing}")
+    return path
+
+
+def older_that_verifies(path: Path) -> str:
+    """A sentence naming the newest checkpoint committed before `path` that verifies."""
+    ckpts = commit.committed(path.parent)
+    names = [d.name for d in ckpts]
+    older = ckpts[: names.index(path.name)] if path.name in names else ckpts
+    for d in reversed(older):
+        try:
+            CheckpointReader(d).verify()
+        except (CheckpointError, OSError):
+            continue
+        return f" The newest older checkpoint that verifies is {str(d)!r} (tag={d.name!r})."
+    return f" No older checkpoint under {str(path.parent)!r} verifies."
+
+
+class _Loader:
+    """One rank's part of a load; `touched` says whether live state was overwritten."""
+
+    def __init__(self, reader: CheckpointReader, path: Path) -> None:
+        self.reader = reader
+        self.path = path
+        self.touched = False
+
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        shape, offsets = rectangle(target)
+        local = local_tensor(target)
+        if local.numel() == 0:
+            return
+        data = self.reader.read(name, offsets, shape)
+        self.touched = True
+        with torch.no_grad():
+            local.copy_(data)
+
+    def check_shape(self, name: str, target: torch.Tensor) -> None:
+        saved = tuple(self.reader.meta(name).shape)
+        if saved != tuple(target.shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {saved} in {str(self.path)!r} but {tuple(target.shape)} "
+                "here; load into the same model architecture"
+            )
+
+    def model(self, model: nn.Module) -> None:
+        tensors = model_tensors(model)
+        saved = {n[len(MODEL_PREFIX) :] for n in self.reader.names() if n.startswith(MODEL_PREFIX)}
+        missing, unexpected = sorted(set(tensors) - saved), sorted(saved - set(tensors))
+        if missing or unexpected:
+            raise ValueError(
+                f"the model does not match checkpoint {str(self.path)!r}: missing from the "
+                f"checkpoint {missing[:5]}{'...' if len(missing) > 5 else ''}, not in the "
+                f"model {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        for key, t in tensors.items():
+            self.check_shape(MODEL_PREFIX + key, t)
+        for key, t in tensors.items():
+            self.read_into(MODEL_PREFIX + key, t)
+
+    def optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        saved = self.reader.state.get("optimizer")
+        if saved is None:
+            raise ValueError(
+                f"checkpoint {str(self.path)!r} holds no optimizer state; load it with "
+                "load_optimizer_states=False (or load_module_only=True)"
+            )
+        names = param_names(model)
+        current = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
+        if current != [g["params"] for g in saved["param_groups"]]:
+            raise ValueError(
+                f"the optimizer's param groups ({[len(g) for g in current]} parameters) do "
+                f"not match checkpoint {str(self.path)!r}'s "
+                f"({[len(g['params']) for g in saved['param_groups']]}); build the "
+                "optimizer with the same param groups, in the same order"
+            )
+        by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+        fused = {
+            names[id(p)]: bool(g.get("fused") or g.get("capturable"))
+            for g in optimizer.param_groups
+            for p in g["params"]
+        }
+        for fqn, p in by_name.items():
+            keys = saved["tensor_keys"].get(fqn, [])
+            for key in keys:
+                cur = optimizer.state.get(p, {}).get(key)
+                if isinstance(cur, torch.Tensor):
+                    self.check_shape(optim_name(fqn, key), cur)
+        for fqn, p in by_name.items():
+            state: dict[str, Any] = {}
+            for key in saved["tensor_keys"].get(fqn, []):
+                cur = optimizer.state.get(p, {}).get(key)
+                state[key] = self._optim_tensor(optim_name(fqn, key), p, cur, fused[fqn])
+            state.update(saved["extra"].get(fqn, {}))
+            self.touched = True
+            if state:
+                optimizer.state[p] = state
+            else:
+                optimizer.state.pop(p, None)
+        restore_param_groups(optimizer, saved["param_groups"])
+
+    def _optim_tensor(
+        self, name: str, p: torch.Tensor, cur: torch.Tensor | None, on_device: bool
+    ) -> torch.Tensor:
+        if cur is not None:
+            self.read_into(name, cur)
+            return cur
+        shape = tuple(self.reader.meta(name).shape)
+        if shape == tuple(p.shape) and isinstance(p, DTensor):
+            # A state like the parameter (exp_avg): the parameter's placements.
+            local_shape, offsets = rectangle(p)
+            if all(local_shape):
+                local = self.reader.read(name, offsets, local_shape)
+            else:  # this rank's shard is empty (fewer rows than ranks)
+                local = torch.empty(local_shape, dtype=self.reader.meta(name).dtype)
+            local = local.to(p.to_local().device)
+            return DTensor.from_local(
+                local,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+        full = self.reader.read(name)
+        # torch keeps a scalar `step` on the CPU unless the optimizer is fused/capturable.
+        device = local_tensor(p).device if (full.dim() > 0 or on_device) else torch.device("cpu")
+        return full.to(device)
+
+
+def _rebuild(report: dict[str, Any], rank: int) -> Exception:
+    cls = _REBUILDABLE.get(report["type"])
+    message = report["message"]
+    if cls is None:
+        return CheckpointError(f"loading failed on rank {rank}: {report['type']}: {message}")
+    # Bypass __init__ (CheckpointError's appends file/tensor/offset, already in message).
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(report.get("attrs") or {})
+    return exc
+
+
+def _apply(
+    loader: _Loader,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler: Any,
+    loss_scaler: Any,
+    *,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+    rank: int,
+    size: int,
+) -> tuple[LoadResult, dict[str, Any] | None]:
+    """This rank's whole load, without collectives; returns the result and the RNG state
+    to restore once every rank succeeded."""
+    path, state = loader.path, loader.reader.state
+    loader.model(model)
+    client_state = dict(state.get("client_state") or {})
+    if load_module_only:
+        return LoadResult(path, client_state, {}), None
+    if optimizer is not None and load_optimizer_states:
+        loader.optimizer(model, optimizer)
+    if lr_scheduler is not None and load_lr_scheduler_states:
+        if state.get("lr_scheduler") is None:
+            raise ValueError(
+                f"checkpoint {str(path)!r} holds no lr scheduler state; load with "
+                "load_lr_scheduler_states=False"
+            )
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if loss_scaler is not None and state.get("loss_scaler") is not None:
+        loss_scaler.load_state_dict(state["loss_scaler"])
+    saved_rng = state.get("rng") or []
+    rng = None
+    if loader.reader.world_size == size and rank < len(saved_rng):
+        rng = saved_rng[rank]
+    elif saved_rng and rank == 0:
+        warnings.warn(
+            f"random generator states not restored: {str(path)!r} was saved by "
+            f"{loader.reader.world_size} ranks, this job has {size}",
+            stacklevel=3,
+        )
+    return LoadResult(path, client_state, dict(state.get("engine") or {})), rng
+
+
+def load(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    tag: str | None = None,
+    lr_scheduler: Any = None,
+    loss_scaler: Any = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> LoadResult:
+    """Load a checkpoint written by fsdpx.checkpoint.save (any world size or layout).
+
+    Every rank of `group` calls it. Checksums of every chunk read are verified.
+
+    Args:
+        directory: the checkpoint root; tag: its directory name (None: what `latest` names).
+        model: the (sharded or plain) module to load into, in place.
+        optimizer, lr_scheduler, loss_scaler: restored when given (and asked for).
+        load_module_only: only the model's tensors (no optimizer, scheduler, scaler,
+            counters or RNG states).
+        group: the process group to agree over (CPU tensors; None: the default group).
+    Returns:
+        LoadResult(path, client_state, engine_state).
+    Raises:
+        CheckpointNotFoundError: no `latest` (or no such tag); CheckpointCorruptError: a
+        checksum failed (names file, tensor and offset, and an older checkpoint that
+        verifies); ValueError: the model or optimizer does not match the checkpoint.
+        Every rank raises the same error.
+
+    Example::
+
+        result = fsdpx.checkpoint.load("ckpts", model, opt)
+        epoch = result.client_state["epoch"]
+    """
+    rank, size = commit.world(group)
+    loader: _Loader | None = None
+    path: Path | None = None
+    result: LoadResult | None = None
+    rng: dict[str, Any] | None = None
+    report: dict[str, Any] = {"ok": True}
+    error: Exception | None = None
+    try:
+        path = resolve(directory, tag)
+        with CheckpointReader(path) as reader:
+            loader = _Loader(reader, path)
+            result, rng = _apply(
+                loader,
+                model,
+                optimizer,
+                lr_scheduler,
+                loss_scaler,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+                rank=rank,
+                size=size,
+            )
+    except Exception as exc:
+        error = exc
+        message = str(exc)
+        if isinstance(exc, CheckpointCorruptError) and path is not None:
+            message += older_that_verifies(path)
+        if loader is not None and loader.touched:
+            message += (
+                " The model/optimizer state is partly overwritten: load another checkpoint "
+                "before training on."
+            )
+        attrs = {k: v for k, v in vars(exc).items() if v is None or isinstance(v, str | int)}
+        report = {"ok": False, "type": type(exc).__name__, "message": message, "attrs": attrs}
+    reports = commit.all_gather_obj(report, group)
+    failed = [(r, rep) for r, rep in enumerate(reports) if not rep["ok"]]
+    if failed:
+        r, rep = failed[0]
+        if size > 1:
+            rep = {**rep, "message": f"{rep['message']} (rank {r} of {size})"}
+        raise _rebuild(rep, r) from error
+    assert result is not None
+    if rng is not None:
+        # Last, after every collective: nothing may draw from the restored generators.
+        set_rng_state(rng)
+    return result
