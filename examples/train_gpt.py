@@ -13,6 +13,7 @@ Options:
                        resolved) used instead of the built-in one below
     --out DIR          where the model and sample go (default out/train_gpt)
     --eval-every N, --log-every N, --sample-tokens N
+    --telemetry [LOG]  live per-rank telemetry for the monitor; LOG: replay log path
 
 The data is the Python standard library's own source read as bytes (nothing is
 downloaded); the last 10% is held out for evaluation. Every rank draws the same global
@@ -22,6 +23,7 @@ batch and trains on its slice of it, as a data loader with a distributed sampler
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -42,6 +44,15 @@ parser.add_argument("--out", type=Path, default=Path("out/train_gpt"), help="out
 parser.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps")
 parser.add_argument("--log-every", type=int, default=10, help="print every N steps")
 parser.add_argument("--sample-tokens", type=int, default=200, help="length of the sample")
+parser.add_argument(
+    "--telemetry",
+    nargs="?",
+    const="",
+    default=None,
+    metavar="LOG",
+    help="publish live per-rank telemetry (watch with the monitor); with LOG, the relay "
+    "started by local rank 0 also writes a replay log there (e.g. out/run.tlm)",
+)
 args = parser.parse_args()
 
 # --- threads: split the machine's cores between the ranks on it --------------------------
@@ -74,6 +85,20 @@ else:
 # --- model and engine ----------------------------------------------------------------------
 
 model_cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128)
+if args.telemetry is not None:
+    # Off by default. Each rank publishes a record per step to this node's relay (local
+    # rank 0 starts one in-process when none runs): fsdpx/telemetry, monitor/PROTOCOL.md.
+    cfg = dataclasses.replace(
+        cfg,
+        telemetry=dataclasses.replace(
+            cfg.telemetry,
+            enabled=True,
+            log_path=args.telemetry or None,
+            tokens_per_step=cfg.train_micro_batch_size_per_gpu
+            * model_cfg.block_size
+            * cfg.gradient_accumulation_steps,
+        ),
+    )
 torch.manual_seed(cfg.seed)  # every rank builds the same model; shard() keeps its slice
 engine = fsdpx.shard(GPT(model_cfg), cfg)  # starts the process group (torchrun or 1 rank)
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,360 @@
+"""CPU cost of the monitor TUI with thousands of simulated ranks, next to a DataTable table.
+
+The monitor runs as a child process in a real pseudo-terminal (Textual's normal driver,
+so screen output is generated and written as in a user's terminal). This process plays
+a relay: it speaks the relay's side of the handshake on a Unix socket and forwards one
+frame per record, as a relay forwards ranks' frames, at `--rate` records/s per rank. The
+monitor's CPU use is its process CPU time (user + system, all threads) over a wall-time
+window after a warm-up, read from /proc.
+
+Two table implementations, same app, same data, same refresh rate:
+  line       monitor/widgets/rank_table.py (Line API, renders visible rows only)
+  datatable  textual.widgets.DataTable, every rank's cells updated each refresh
+
+Run (about 2 minutes):
+
+    python benchmarks/monitor_cpu.py                         # 1,024 and 4,096 ranks
+    python benchmarks/monitor_cpu.py --ranks 1024 --seconds 10 --tables line
+
+Output: one line per (table, ranks) with CPU % of one core and records/s received, then
+the DataTable / line ratio per rank count. Goal: line < 10% of a core at 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fsdpx.telemetry.protocol import (  # noqa: E402
+    FrameDecoder,
+    encode_frame,
+    make_challenge,
+)
+from monitor.synthetic import SyntheticRun  # noqa: E402
+
+TICK_S = 0.05
+
+
+# --- the relay side (this process) ------------------------------------------------------
+
+
+class FakeRelay:
+    """Accepts one monitor, does the handshake, then streams records until stopped."""
+
+    def __init__(self, path: str, n_ranks: int, rate_hz: float, batch_s: float) -> None:
+        self.path = path
+        self.batch_s = batch_s
+        self.frames = 0
+        self.run = SyntheticRun(n_ranks=n_ranks, seed=0, straggler=1, memory_hog=2)
+        self.rate_hz = rate_hz
+        self.sent = 0
+        self.stop = threading.Event()
+        self.connected = threading.Event()
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(1)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        conn.sendall(encode_frame(make_challenge(auth_required=False)))
+        decoder = FrameDecoder()
+        while not decoder.feed(conn.recv(65536)):
+            pass
+        conn.sendall(encode_frame({"type": "welcome", "version": 1, "host": "bench", "pid": 0}))
+        conn.sendall(encode_frame({"type": "history", "records": [], "events": [], "more": False}))
+        self.connected.set()
+        n = self.run.n_ranks
+        # Like the relay forwarding publishers' batches: each rank sends one frame every
+        # `batch_s` (the publisher's poll interval) with the records made meanwhile.
+        groups = max(1, round(self.batch_s / TICK_S)) if self.batch_s > 0 else 1
+        per_batch = self.rate_hz * (self.batch_s if self.batch_s > 0 else TICK_S)
+        per_group = (n + groups - 1) // groups
+        step = [0] * n
+        due = [0.0] * n
+        # Per-rank templates: only step, time and loss change (keeps this process, which
+        # competes for the same cores, cheap; the monitor decodes full records anyway).
+        templates = [self.run.record(rank, 1) for rank in range(n)]
+        t0 = time.monotonic()
+        tick = 0
+        while not self.stop.is_set():
+            g = tick % groups
+            frames = []
+            now = time.time()
+            for rank in range(g * per_group, min(n, (g + 1) * per_group)):
+                due[rank] += per_batch
+                records = []
+                while due[rank] >= 1.0:
+                    due[rank] -= 1.0
+                    step[rank] += 1
+                    rec = dict(templates[rank])
+                    rec["step"] = step[rank]
+                    rec["time"] = now
+                    rec["loss"] = 2.0 + 2.0 / (1.0 + 0.01 * step[rank])
+                    records.append(rec)
+                if records:
+                    frames.append(encode_frame({"type": "records", "records": records}))
+                    self.sent += len(records)
+            try:
+                conn.sendall(b"".join(frames))
+            except OSError:
+                return
+            self.frames += len(frames)
+            tick += 1
+            delay = t0 + tick * TICK_S - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        conn.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    table: str,
+    n_ranks: int,
+    rate_hz: float,
+    batch_s: float,
+    warmup_s: float,
+    seconds: float,
+    size: tuple[int, int],
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        sock = os.path.join(tmp, "relay.sock")
+        stats = os.path.join(tmp, "stats.json")
+        relay = FakeRelay(sock, n_ranks, rate_hz, batch_s)
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
+        env = {
+            **os.environ,
+            "TERM": "xterm-256color",
+            "COLUMNS": str(size[0]),
+            "LINES": str(size[1]),
+        }
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child", table, sock, stats],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
+        )
+        os.close(slave)
+        written = 0
+        tail = bytearray()
+
+        def drain(until: float) -> None:
+            nonlocal written
+            while time.monotonic() < until:
+                ready, _, _ = select.select([master], [], [], 0.05)
+                if ready:
+                    try:
+                        data = os.read(master, 1 << 16)
+                    except OSError:
+                        return
+                    written += len(data)
+                    tail[:] = (tail + data)[-4000:]
+
+        # The warm-up starts once the monitor is up and connected (its start-up, imports
+        # included, is not what is measured).
+        deadline = time.monotonic() + 180
+        while not relay.connected.is_set() and time.monotonic() < deadline and child.poll() is None:
+            drain(time.monotonic() + 0.2)
+        if not relay.connected.is_set():
+            raise RuntimeError(f"monitor did not connect: {tail.decode(errors='replace')}")
+        drain(time.monotonic() + warmup_s)
+        cpu0, wall0, sent0, out0 = _cpu_seconds(child.pid), time.monotonic(), relay.sent, written
+        frames0 = relay.frames
+        drain(wall0 + seconds)
+        cpu1, wall1, sent1, out1 = _cpu_seconds(child.pid), time.monotonic(), relay.sent, written
+        frames1 = relay.frames
+        relay.stop.set()
+        os.write(master, b"q")
+        drain(time.monotonic() + 0.5)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        os.close(master)
+        if child.returncode != 0:
+            text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", tail.decode(errors="replace"))
+            raise RuntimeError(f"monitor exited with {child.returncode}: {text[-1500:]}")
+        received = json.loads(Path(stats).read_text()) if os.path.exists(stats) else {}
+        wall = wall1 - wall0
+        return {
+            "table": table,
+            "ranks": n_ranks,
+            "cpu_pct": 100.0 * (cpu1 - cpu0) / wall,
+            "sent_per_s": (sent1 - sent0) / wall,
+            "frames_per_s": (frames1 - frames0) / wall,
+            "terminal_kib_per_s": (out1 - out0) / wall / 1024,
+            "received_total": received.get("records"),
+            "child_stats": received,
+            "sent_total": relay.sent,
+        }
+
+
+# --- the monitor side (child process) ---------------------------------------------------
+
+
+def child_main(table: str, address: str, stats_path: str) -> None:
+    from textual.widgets import DataTable
+
+    from monitor.app import MonitorApp
+    from monitor.cli import run_app
+    from monitor.messages import TelemetryBatch
+    from monitor.model import Snapshot
+    from monitor.table_view import fmt_age, fmt_float, fmt_gib
+
+    class CountingApp(MonitorApp):
+        """Counts records and the CPU time of the two app-side stages (the rest is the
+        receiver's decoding, Textual's compositor and the event loop)."""
+
+        records = 0
+        cpu_batches = 0.0
+        cpu_refresh = 0.0
+
+        def on_telemetry_batch(self, message: TelemetryBatch) -> None:
+            t = time.thread_time()
+            self.records += len(message.records)
+            super().on_telemetry_batch(message)
+            self.cpu_batches += time.thread_time() - t
+
+        def refresh_view(self) -> None:
+            t = time.thread_time()
+            super().refresh_view()
+            self.cpu_refresh += time.thread_time() - t
+
+    class DataTableApp(CountingApp):
+        """The same app with the rank table replaced by a DataTable (the anchor)."""
+
+        def compose(self):  # type: ignore[no-untyped-def]
+            for widget in super().compose():
+                if widget is self.table:
+                    self.grid: DataTable[str] = DataTable(id="grid")
+                    yield self.grid
+                else:
+                    yield widget
+
+        def on_mount(self) -> None:
+            self.table.display = False
+            self.grid.add_columns("rank", "state", "step", "step_s", "loss", "resv", "mem%", "age")
+            super().on_mount()
+
+        def refresh_view(self) -> None:
+            t = time.thread_time()
+            self._refresh_grid()
+            self.cpu_refresh += time.thread_time() - t
+
+        def _refresh_grid(self) -> None:
+            snap: Snapshot = self.model.snapshot(self.now())
+            self.snapshot = snap
+            self.summary_bar.show(snap.summary, self._source_text())
+            self.curves.show(snap.loss_curve, snap.throughput_curve)
+            keys = self.grid.columns
+            col = list(keys)
+            for rank, row in snap.rows.items():
+                cells = (
+                    str(rank),
+                    row.status.value,
+                    str(row.record.get("step")),
+                    fmt_float(row.record.get("step_time_s")),
+                    fmt_float(row.record.get("loss"), 4),
+                    fmt_gib(row.record.get("mem_reserved")),
+                    "-" if row.mem_fraction is None else f"{100 * row.mem_fraction:.0f}%",
+                    fmt_age(row.age_s),
+                )
+                key = str(rank)
+                if key not in self.grid.rows:
+                    self.grid.add_row(*cells, key=key)
+                else:
+                    for c, value in zip(col, cells, strict=True):
+                        self.grid.update_cell(key, c, value)
+
+    cls = DataTableApp if table == "datatable" else CountingApp
+    app = cls(sources=[address])
+    profile = os.environ.get("MONITOR_BENCH_PROFILE")  # a path: write a cProfile there
+    if profile:
+        import cProfile
+
+        cProfile.runctx("run_app(app)", globals(), {"app": app, "run_app": run_app}, profile)
+    else:
+        run_app(app)  # as `fsdpx-monitor` runs it
+    stats = {"records": app.records, "cpu_batches": app.cpu_batches, "cpu_refresh": app.cpu_refresh}
+    stats["cpu_total"] = time.process_time()
+    Path(stats_path).write_text(json.dumps(stats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--rate", type=float, default=5.0, help="records/s per rank")
+    parser.add_argument(
+        "--batch",
+        type=float,
+        default=0.5,
+        help="seconds between a rank's frames (publisher poll interval); 0: a frame per record",
+    )
+    parser.add_argument("--seconds", type=float, default=15.0, help="measured window")
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--tables", nargs="+", default=["line", "datatable"])
+    parser.add_argument("--size", default="120x40", help="terminal COLSxROWS")
+    args = parser.parse_args()
+    cols, rows = (int(v) for v in args.size.split("x"))
+    results = []
+    for n in args.ranks:
+        for table in args.tables:
+            r = measure(table, n, args.rate, args.batch, args.warmup, args.seconds, (cols, rows))
+            results.append(r)
+            print(
+                f"{table:9s} ranks={n:5d}  monitor CPU {r['cpu_pct']:5.1f}% of one core  "
+                f"records {r['sent_per_s']:6.0f}/s in {r['frames_per_s']:5.0f} frames/s  received {r['received_total']} "
+                f"of {r['sent_total']}  terminal output {r['terminal_kib_per_s']:.0f} KiB/s",
+                flush=True,
+            )
+            print(f"    child CPU totals: {r['child_stats']}", flush=True)
+    for n in args.ranks:
+        by = {r["table"]: r for r in results if r["ranks"] == n}
+        if "line" not in by or "datatable" not in by:
+            continue
+        target = n * args.rate
+        line, grid = by["line"], by["datatable"]
+        # CPU per 1,000 records/s: a table that cannot keep up slows its own input (the
+        # relay's socket fills), so raw CPU % alone flatters it.
+        per_k = {t: r["cpu_pct"] / max(r["sent_per_s"] / 1000, 1e-9) for t, r in by.items()}
+        print(
+            f"ranks={n}: target {target:.0f} records/s; line API took "
+            f"{line['sent_per_s']:.0f}/s, DataTable {grid['sent_per_s']:.0f}/s; CPU % per "
+            f"1k records/s: line {per_k['line']:.2f}, DataTable {per_k['datatable']:.2f} "
+            f"({per_k['datatable'] / max(per_k['line'], 1e-9):.1f}x)"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(*sys.argv[2:5])
+    else:
+        main()

@@ -1,0 +1,129 @@
+"""The relay's bounded memory of the run, sent to monitors that join late.
+
+Per (host, rank): the last `recent` records at full resolution plus a thinned record of
+everything older (at most `sparse` records; when full, every other one is dropped and
+the stride doubles), so a late monitor sees the whole run's curves, coarse, and the
+recent past in detail, in bounded memory. Records and events are kept msgpack-encoded
+(a third of the size of a dict) and spliced into "history" frames without re-encoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+
+from fsdpx.telemetry.protocol import MAX_FRAME_BYTES
+
+_PACKER_OVERHEAD = 64  # map header, keys, array headers of one history body
+
+
+class _RankHistory:
+    __slots__ = ("recent", "sparse", "stride", "evicted", "sparse_max")
+
+    def __init__(self, recent: int, sparse: int) -> None:
+        self.recent: deque[bytes] = deque(maxlen=recent)
+        self.sparse: list[bytes] = []
+        self.sparse_max = sparse
+        self.stride = 1
+        self.evicted = 0
+
+    def add(self, packed: bytes) -> None:
+        if len(self.recent) == self.recent.maxlen:
+            old = self.recent[0]
+            if self.evicted % self.stride == 0 and self.sparse_max > 0:
+                self.sparse.append(old)
+                if len(self.sparse) > self.sparse_max:
+                    self.sparse = self.sparse[::2]
+                    self.stride *= 2
+            self.evicted += 1
+        self.recent.append(packed)
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.sparse
+        yield from self.recent
+
+
+class History:
+    """Bounded per-rank record history and a bounded event list.
+
+    Args:
+        recent: records per rank kept at full resolution.
+        sparse: older records per rank kept, thinned.
+        max_events: events kept (oldest dropped).
+        max_ranks: distinct (host, rank) keys kept; records of further keys are
+            forwarded live but not remembered.
+
+    Example::
+
+        h = History(recent=256, sparse=256, max_events=10_000, max_ranks=65_536)
+        h.add_records(message["records"])
+        for body in h.frames():
+            send(body)
+    """
+
+    def __init__(self, *, recent: int, sparse: int, max_events: int, max_ranks: int) -> None:
+        self._ranks: dict[tuple[Any, Any], _RankHistory] = {}
+        self._events: deque[bytes] = deque(maxlen=max_events)
+        self._recent, self._sparse, self._max_ranks = recent, sparse, max_ranks
+
+    def add_records(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            key = (record.get("host"), record.get("rank"))
+            hist = self._ranks.get(key)
+            if hist is None:
+                if len(self._ranks) >= self._max_ranks:
+                    continue
+                hist = self._ranks[key] = _RankHistory(self._recent, self._sparse)
+            hist.add(msgpack.packb(record, use_bin_type=True))
+
+    def add_events(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            self._events.append(msgpack.packb(event, use_bin_type=True))
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._ranks)
+
+    def frames(self, limit: int = MAX_FRAME_BYTES - 64) -> Iterator[bytes]:
+        """msgpack bodies of "history" messages, each under `limit` bytes; the last has
+        more=False. Records are grouped by rank, each rank's in arrival order; events
+        come after all records. Always yields at least one (possibly empty) body."""
+        records = [r for hist in self._ranks.values() for r in hist]
+        events = list(self._events)
+        chunk_r: list[bytes] = []
+        chunk_e: list[bytes] = []
+        size = _PACKER_OVERHEAD
+        items = [(True, r) for r in records] + [(False, e) for e in events]
+        for is_record, packed in items:
+            if len(packed) + _PACKER_OVERHEAD > limit:
+                continue  # cannot fit any frame (a peer sent a huge record): skip it
+            if size + len(packed) > limit:
+                yield _history_body(chunk_r, chunk_e, more=True)
+                chunk_r, chunk_e, size = [], [], _PACKER_OVERHEAD
+            (chunk_r if is_record else chunk_e).append(packed)
+            size += len(packed)
+        yield _history_body(chunk_r, chunk_e, more=False)
+
+
+def _history_body(records: list[bytes], events: list[bytes], *, more: bool) -> bytes:
+    """A "history" message body spliced from already-packed items (no re-encoding)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [
+        packer.pack_map_header(4),
+        packer.pack("type"),
+        packer.pack("history"),
+        packer.pack("records"),
+        packer.pack_array_header(len(records)),
+        *records,
+        packer.pack("events"),
+        packer.pack_array_header(len(events)),
+        *events,
+        packer.pack("more"),
+        packer.pack(more),
+    ]
+    body = b"".join(parts)
+    assert len(body) <= MAX_FRAME_BYTES, len(body)
+    return body

@@ -1,0 +1,329 @@
+"""The monitor app: live from relays, or a replay of a relay's log.
+
+Data flow: workers (RelayClient per relay, or the log loader) post messages
+(monitor/messages.py); handlers feed the `MonitorModel` (cheap per record); a timer takes
+a `Snapshot` a few times a second and hands it to the widgets, which draw only what is on
+screen. Nothing is drawn per record (see monitor/model.py [Note: cost per record]).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import Footer, Input
+
+from fsdpx.telemetry.transport import parse_address
+from monitor.messages import ConnectionChanged, ReplayLoaded, TelemetryBatch
+from monitor.model import MonitorModel, MonitorSettings, Snapshot
+from monitor.receiver import Batch, RelayClient
+from monitor.replay import ReplayPlayer, ReplayStep, load_log
+from monitor.screens.rank_detail import RankDetailScreen
+from monitor.table_view import fmt_duration
+from monitor.widgets.curves import Curves
+from monitor.widgets.events import EventsLog
+from monitor.widgets.rank_table import RankTable
+from monitor.widgets.summary import SummaryBar
+
+REPLAY_TICK_S = 0.1
+
+
+class MonitorApp(App[None]):
+    """The fsdpx monitor.
+
+    Args:
+        sources: relay addresses (Unix socket paths or host:port) to watch live.
+        replay: a relay log (`*.tlm`) to replay instead.
+        replay_messages: already-loaded log messages to replay (tests, `fsdpx demo`).
+        settings: stale/dead thresholds and outlier rules.
+        secret: the relays' shared secret, or None.
+        refresh_hz: screen refreshes per second.
+        clock: the live monitor's clock (tests pass a fake one).
+        speed: initial replay speed; paused: start the replay paused.
+
+    Example::
+
+        MonitorApp(sources=["/tmp/fsdpx-relay.sock"]).run()
+        MonitorApp(replay="run.tlm", speed=4.0).run()
+    """
+
+    # Absolute: Textual resolves a relative CSS_PATH next to a subclass's own module.
+    CSS_PATH = Path(__file__).with_name("monitor.tcss")
+    TITLE = "fsdpx monitor"
+    ENABLE_COMMAND_PALETTE = False
+
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
+        Binding("slash", "filter", "filter"),
+        Binding("o", "outliers", "outliers"),
+        Binding("escape", "clear_filter", "clear", show=False),
+        Binding("space", "pause", "pause", priority=True),
+        Binding("left", "seek(-10)", "-10s", priority=True),
+        Binding("right", "seek(10)", "+10s", priority=True),
+        Binding("shift+left", "seek(-60)", "-60s", show=False, priority=True),
+        Binding("shift+right", "seek(60)", "+60s", show=False, priority=True),
+        Binding("left_square_bracket", "speed(-1)", "slower", priority=True),
+        Binding("right_square_bracket", "speed(1)", "faster", priority=True),
+    ]
+
+    def __init__(
+        self,
+        *,
+        sources: Sequence[str] = (),
+        replay: str | os.PathLike[str] | None = None,
+        replay_messages: list[dict[str, Any]] | None = None,
+        settings: MonitorSettings | None = None,
+        secret: bytes | None = None,
+        refresh_hz: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        speed: float = 1.0,
+        paused: bool = False,
+    ) -> None:
+        super().__init__()
+        if bool(sources) + (replay is not None) + (replay_messages is not None) != 1:
+            raise ValueError(
+                "MonitorApp needs exactly one of sources (relay addresses), replay (a log "
+                f"path) or replay_messages; got sources={list(sources)}, replay={replay!r}"
+            )
+        for address in sources:
+            parse_address(address)  # a ValueError naming the bad address, before any I/O
+        if refresh_hz <= 0:
+            raise ValueError(f"refresh_hz must be > 0; got {refresh_hz}")
+        self.model = MonitorModel(settings or MonitorSettings())
+        self.sources = list(sources)
+        self.replay_path = None if replay is None else Path(replay)
+        self.secret = secret
+        self.refresh_hz = refresh_hz
+        self.clock = clock
+        self.player: ReplayPlayer | None = None
+        self._pending_replay = replay_messages
+        self._speed = speed
+        self._paused = paused
+        self._connections: dict[str, str] = dict.fromkeys(self.sources, "connecting")
+        self._last_tick = time.monotonic()
+        self.snapshot: Snapshot = self.model.snapshot(0.0)
+        self.replay_error: str | None = None
+
+    # --- layout -------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        # Kept as attributes: `query_one` searches the active screen, which is the detail
+        # screen while it is open, and the main widgets still update behind it.
+        self.summary_bar = SummaryBar(id="summary")
+        self.curves = Curves(id="curves")
+        self.table = RankTable(id="ranks")
+        self.events_log = EventsLog(id="events")
+        self.filter_box = Input(
+            placeholder="filter: rank, 8-15, host, outliers, stale, nan ...", id="filter"
+        )
+        yield self.summary_bar
+        yield self.curves
+        yield self.table
+        yield self.events_log
+        yield self.filter_box
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.table.focus()
+        self._fit_to_height(self.size.height)
+        if self.sources:
+            for address in self.sources:
+                client = RelayClient(
+                    address,
+                    on_batch=self._post_batch,
+                    on_status=self._status_poster(address),
+                    secret=self.secret,
+                    clock=self.clock,
+                )
+                self.run_worker(client.run(), group="relays", name=address)
+        elif self._pending_replay is not None:
+            self._start_replay(self._pending_replay)
+            self._pending_replay = None
+        else:
+            self._load_replay()
+        self.set_interval(1.0 / self.refresh_hz, self.refresh_view)
+        self.refresh_view()
+
+    def on_resize(self) -> None:
+        self._fit_to_height(self.size.height)
+
+    def _fit_to_height(self, height: int) -> None:
+        # 80x24 keeps 2 curve rows and 4 event lines; a tall terminal gets more of both.
+        self.curves.styles.height = 2 if height < 40 else 8
+        self.events_log.styles.height = 4 if height < 40 else 10
+
+    # --- data in ------------------------------------------------------------------
+
+    def _status_poster(self, address: str) -> Callable[[bool, str], None]:
+        def post(connected: bool, detail: str) -> None:
+            self.post_message(ConnectionChanged(address, connected, detail))
+
+        return post
+
+    def _post_batch(self, batch: Batch) -> None:
+        self.post_message(
+            TelemetryBatch(
+                batch.source, batch.records, batch.events, batch.received_at, batch.history
+            )
+        )
+
+    def on_telemetry_batch(self, message: TelemetryBatch) -> None:
+        # Records first: a batch's events (an exit) come after its records.
+        self.model.add_records(message.records, now=message.received_at)
+        self.model.add_events(message.events)
+        if message.events:
+            self.events_log.add(message.events, self.model.first_time)
+
+    def on_connection_changed(self, message: ConnectionChanged) -> None:
+        self._connections[message.source] = message.detail or (
+            "connected" if message.connected else "disconnected"
+        )
+
+    @work(thread=True, exclusive=True, group="replay-load")
+    def _load_replay(self) -> None:
+        assert self.replay_path is not None
+        try:
+            messages = load_log(self.replay_path)
+        except (ValueError, OSError) as exc:
+            self.post_message(ReplayLoaded(str(self.replay_path), error=str(exc)))
+            return
+        self.post_message(ReplayLoaded(str(self.replay_path), messages))
+
+    def on_replay_loaded(self, message: ReplayLoaded) -> None:
+        if message.error is not None:
+            self.replay_error = message.error
+            self.notify(message.error, title="cannot replay", severity="error", timeout=30)
+            return
+        self._start_replay(message.messages)
+
+    def _start_replay(self, messages: list[dict[str, Any]]) -> None:
+        self.player = ReplayPlayer(messages, speed=self._speed, paused=self._paused)
+        self._apply(self.player.seek(self.player.start))
+        self._last_tick = time.monotonic()
+        self.set_interval(REPLAY_TICK_S, self._replay_tick)
+        self.refresh_bindings()  # the replay keys exist now: show them in the footer
+        self.refresh_view()
+
+    def _replay_tick(self) -> None:
+        assert self.player is not None
+        tick = time.monotonic()
+        self._apply(self.player.advance(tick - self._last_tick))
+        self._last_tick = tick
+
+    def _apply(self, step: ReplayStep) -> None:
+        events = self.events_log
+        if step.reset:
+            self.model.clear()
+        self.model.add_records(step.records, now=None)
+        self.model.add_events(step.events)
+        if step.reset:
+            events.reset(self.model.events, self.model.first_time)
+        elif step.events:
+            events.add(step.events, self.model.first_time)
+
+    # --- data out -----------------------------------------------------------------
+
+    def now(self) -> float:
+        """Monitor time: the replay's virtual clock, or the live clock."""
+        if self.player is not None:
+            return self.player.position
+        return self.clock()
+
+    def refresh_view(self) -> None:
+        """Take a snapshot and redraw every widget from it (the timer calls this)."""
+        snap = self.model.snapshot(self.now())
+        self.snapshot = snap
+        self.summary_bar.show(snap.summary, self._source_text())
+        self.curves.show(snap.loss_curve, snap.throughput_curve)
+        self.table.show(snap)
+        if isinstance(self.screen, RankDetailScreen):
+            self.screen.show(snap, self.model)
+
+    def _source_text(self) -> str:
+        if self.player is not None:
+            p = self.player
+            name = self.replay_path.name if self.replay_path is not None else "log"
+            state = "paused" if p.paused else f"playing {p.speed:g}x"
+            if p.finished and not p.paused:
+                state = "end of log"
+            pos = fmt_duration(p.position - p.start)
+            return f"replay {name}  {state}  {pos} / {fmt_duration(p.duration)}"
+        if self.replay_path is not None:
+            return f"replay {self.replay_path.name}: " + (self.replay_error or "loading ...")
+        return "  ".join(f"{a}: {s}" for a, s in self._connections.items())
+
+    # --- actions ------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("pause", "seek", "speed"):
+            # Replay keys exist only in a replay, and never steal keys from the filter box.
+            return self.player is not None and not isinstance(self.focused, Input)
+        return True
+
+    def action_pause(self) -> None:
+        assert self.player is not None
+        self.player.toggle_pause()
+        self._last_tick = time.monotonic()
+        self.refresh_view()
+
+    def action_seek(self, delta_s: float) -> None:
+        assert self.player is not None
+        self._apply(self.player.seek_relative(delta_s))
+        self.refresh_view()
+
+    def seek_to(self, offset_s: float) -> None:
+        """Replay: jump to `offset_s` seconds after the log's start."""
+        assert self.player is not None, "seek_to needs a replay"
+        self._apply(self.player.seek(self.player.start + offset_s))
+        self.refresh_view()
+
+    def action_speed(self, direction: int) -> None:
+        assert self.player is not None
+        if direction > 0:
+            self.player.faster()
+        else:
+            self.player.slower()
+        self.refresh_view()
+
+    def action_filter(self) -> None:
+        box = self.filter_box
+        box.display = True
+        box.focus()
+
+    def action_outliers(self) -> None:
+        box = self.filter_box
+        terms = box.value.split()
+        box.value = " ".join(
+            [t for t in terms if t != "outliers"] if "outliers" in terms else [*terms, "outliers"]
+        )
+        self.table.set_query(box.value)
+
+    def action_clear_filter(self) -> None:
+        box = self.filter_box
+        box.value = ""
+        box.display = False
+        table = self.table
+        table.set_query("")
+        table.focus()
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.table.set_query(event.value)
+
+    @on(Input.Submitted, "#filter")
+    def _filter_done(self, event: Input.Submitted) -> None:
+        box = self.filter_box
+        box.display = bool(box.value)
+        self.table.focus()
+
+    def on_rank_table_rank_selected(self, message: RankTable.RankSelected) -> None:
+        screen = RankDetailScreen(message.rank)
+        self.push_screen(screen)
+        screen.call_after_refresh(lambda: screen.show(self.snapshot, self.model))

@@ -1,0 +1,212 @@
+"""`fsdpx demo`: train the example GPT on 2 CPU ranks with telemetry on, and watch it.
+
+The demo starts a relay itself (so it outlives the training and keeps a replay log),
+launches `examples/train_gpt.py` under torchrun with `--telemetry`, and opens the monitor
+on the relay in this terminal; the training's own output goes to a file so it does not
+draw over the screen. When stdout is not a terminal (CI, a pipe) it prints one progress
+line per `--every` steps from the same telemetry instead, and ends with the training.
+
+    fsdpx demo                     # 2 ranks, 150 steps, monitor in this terminal
+    fsdpx demo --steps 20 | cat    # plain progress lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from monitor.model import MonitorModel
+from monitor.receiver import Batch, RelayClient
+from monitor.table_view import fmt_duration, fmt_float, fmt_si
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    """Where the demo writes: the relay's replay log and the training's output."""
+
+    out: Path
+
+    @property
+    def log(self) -> Path:
+        return self.out / "run.tlm"
+
+    @property
+    def train_output(self) -> Path:
+        return self.out / "train.log"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (used by `fsdpx demo`)."""
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150)")
+    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("out/demo"), help="replay log and training output"
+    )
+    parser.add_argument("--every", type=int, default=10, help="steps per progress line")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; returns the training's exit code (2 for bad input).
+
+    Example::
+
+        run_demo(argparse.Namespace(steps=20, ranks=2, out=Path("out/demo"), every=5))
+    """
+    from fsdpx.telemetry.relay import Relay
+
+    if args.steps < 1 or args.ranks < 1 or args.every < 1:
+        print(
+            f"fsdpx demo: error: --steps, --ranks and --every must be >= 1; got "
+            f"{args.steps}, {args.ranks}, {args.every}",
+            file=sys.stderr,
+        )
+        return 2
+    if not EXAMPLE.exists():
+        print(
+            f"fsdpx demo: error: the example {EXAMPLE} is missing; the demo runs from a "
+            "source checkout of fsdpx (git clone, then pip install -e .)",
+            file=sys.stderr,
+        )
+        return 2
+    paths = DemoPaths(args.out)
+    paths.out.mkdir(parents=True, exist_ok=True)
+    paths.log.unlink(missing_ok=True)
+    # A private socket: the demo never joins (or disturbs) a relay the user runs already.
+    with tempfile.TemporaryDirectory(prefix="fsdpx-demo-") as tmp:
+        address = os.path.join(tmp, "relay.sock")
+        relay = Relay(address, log_path=paths.log)
+        relay.bind()
+        relay.start_thread()
+        try:
+            train = _launch(args, address, paths)
+            try:
+                if sys.stdout.isatty():
+                    _watch(address)
+                else:
+                    asyncio.run(_progress(address, train, args.every, args.steps))
+            finally:
+                code = _finish(train)
+        finally:
+            relay.stop()
+    print(
+        f"training exited with {code}; its output: {paths.train_output}\n"
+        f"replay it: fsdpx-monitor replay {paths.log}",
+        flush=True,
+    )
+    return code
+
+
+def _launch(args: argparse.Namespace, address: str, paths: DemoPaths) -> subprocess.Popen[bytes]:
+    # The ranks find the demo's relay through telemetry.relay in a generated config (the
+    # example's own settings plus that), and never start their own (start_relay false).
+    config = paths.out / "demo_config.json"
+    config.write_text(_config_json(args.steps, address))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.ranks}",
+        str(EXAMPLE),
+        "--steps",
+        str(args.steps),
+        "--config",
+        str(config),
+        "--telemetry",
+        "--out",
+        str(paths.out / "model"),
+    ]
+    output = open(paths.train_output, "wb")  # noqa: SIM115 (closed by the child's exit)
+    return subprocess.Popen(
+        command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _config_json(steps: int, address: str) -> str:
+    import json
+
+    return json.dumps(
+        {
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0,
+            "zero": {"stage": 3},
+            "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1},
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "warmup_num_steps": max(1, steps // 10),
+                "warmup_type": "linear",
+                "total_num_steps": steps,
+                "cos_min_ratio": 0.1,
+            },
+            "telemetry": {"enabled": True, "relay": address, "start_relay": False},
+        },
+        indent=2,
+    )
+
+
+def _finish(train: subprocess.Popen[bytes]) -> int:
+    """Wait for the training, or stop it (the user quit the monitor first)."""
+    if train.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(train.pid, signal.SIGTERM)
+        try:
+            train.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(train.pid, signal.SIGKILL)
+            train.wait()
+    return train.returncode
+
+
+def _watch(address: str) -> None:
+    from monitor.app import MonitorApp
+    from monitor.cli import run_app
+
+    run_app(MonitorApp(sources=[address]))
+
+
+async def _progress(address: str, train: subprocess.Popen[bytes], every: int, steps: int) -> None:
+    """Plain progress lines from the relay while the training runs."""
+    model = MonitorModel()
+    printed = 0
+
+    def on_batch(batch: Batch) -> None:
+        nonlocal printed
+        model.add_records(batch.records, now=batch.received_at)
+        model.add_events(batch.events)
+        s = model.snapshot(time.time()).summary
+        if s.step is not None and (s.step >= printed + every or s.step == steps):
+            if s.step == printed:
+                return
+            printed = s.step
+            print(
+                f"step {s.step:5d}  loss {fmt_float(s.loss, 4)}  tok/s {fmt_si(s.tokens_per_s)}"
+                f"  ranks {s.alive} alive {s.stale} stale {s.dead} dead {s.exited} exited"
+                f"  elapsed {fmt_duration(s.elapsed_s)}",
+                flush=True,
+            )
+
+    client = RelayClient(address, on_batch=on_batch, on_status=lambda up, detail: None)
+    task = asyncio.create_task(client.run())
+    while train.poll() is None:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)  # the ranks' last records and exit events
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    s = model.snapshot(time.time()).summary
+    print(
+        f"done: step {s.step}  loss {fmt_float(s.loss, 4)} (mean over ranks)  "
+        f"ranks {s.exited} exited {s.dead} dead  elapsed {fmt_duration(s.elapsed_s)}",
+        flush=True,
+    )

@@ -1,0 +1,336 @@
+"""The monitor's state store: latest record per rank, curves, stale/dead detection, outliers.
+
+Pure Python, no Textual and no I/O, so it is tested directly and shared by the live
+monitor, the replay player and the CPU benchmark.
+
+[Note: cost per record] Records arrive at ranks x 5 per second (20,000/s at 4,096 ranks).
+`add_records` therefore does only dictionary stores and a few float additions per record;
+everything that looks across ranks (medians, outliers, counts, sorting) happens in
+`snapshot`, which the app calls at its refresh rate (a few times a second), not per record.
+
+[Note: clocks] "Last seen" is the monitor's clock when a record arrived, not the rank's
+`time` field: hosts' clocks drift, and a rank is stale because the monitor stopped hearing
+from it. The replay player passes its virtual clock (the records' own times) instead, so
+a replay shows what a live monitor would have shown.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeGuard
+
+from monitor.state import (
+    FLAGS_BY_BITS,
+    Flag,
+    MonitorSettings,
+    RankHistoryPoint,
+    RankRow,
+    RankStatus,
+    Snapshot,
+    Summary,
+)
+
+__all__ = [
+    "Flag",
+    "MonitorModel",
+    "MonitorSettings",
+    "RankHistoryPoint",
+    "RankRow",
+    "RankStatus",
+    "Snapshot",
+    "Summary",
+]
+
+
+@dataclass
+class _StepAggregate:
+    loss_sum: float = 0.0
+    loss_n: int = 0
+    tps_sum: float = 0.0
+    tps_n: int = 0
+
+
+# (step, step_time_s, loss, mem_allocated) as received: validated when read, not per record.
+_RawPoint = tuple[int, Any, Any, Any]
+
+
+@dataclass
+class _RankState:
+    record: dict[str, Any]
+    last_seen: float
+    history: deque[_RawPoint]
+    status_override: RankStatus | None = None
+    error: bool = False
+
+
+def _real(value: Any) -> TypeGuard[int | float]:
+    """An int or float that is not a bool (exact type checks: the hot paths use them)."""
+    t = type(value)
+    return t is float or t is int
+
+
+def _number(value: Any) -> float | None:
+    """A record field as a float, or None when absent or not a number (bad input is shown
+    as unknown, never raised: the monitor must survive any publisher)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+@dataclass
+class MonitorModel:
+    """Per-rank state of one run, fed with records and events.
+
+    Args:
+        settings: thresholds (stale/dead ages, outlier rules, history sizes).
+
+    Example::
+
+        model = MonitorModel()
+        model.add_records([{"rank": 0, "step": 1, "loss": 2.5, "step_time_s": 0.1}], now=1.0)
+        snap = model.snapshot(now=2.0)
+        assert snap.summary.step == 1 and snap.rows[0].status is RankStatus.ALIVE
+    """
+
+    settings: MonitorSettings = field(default_factory=MonitorSettings)
+    ranks: dict[int, _RankState] = field(default_factory=dict)
+    events: deque[dict[str, Any]] = field(init=False)
+    bad_records: int = 0
+    total_steps: int | None = None
+    world_size: int | None = None
+    first_time: float | None = None
+    _steps: OrderedDict[int, _StepAggregate] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        self.events = deque(maxlen=self.settings.max_events)
+
+    def clear(self) -> None:
+        """Forget everything (the replay player rebuilds the state when seeking back)."""
+        self.ranks.clear()
+        self.events.clear()
+        self._steps.clear()
+        self.bad_records = 0
+        self.total_steps = None
+        self.world_size = None
+        self.first_time = None
+
+    def add_records(self, records: Iterable[Any], now: float | None) -> None:
+        """Store records received at monitor time `now` (see [Note: clocks]); with
+        `now=None` (replay) each record counts as received at its own `time`."""
+        ranks = self.ranks
+        steps = self._steps
+        keep = self.settings.history_steps
+        rank_history = self.settings.rank_history
+        for rec in records:
+            try:
+                rank = rec["rank"]
+                step = rec["step"]
+            except (TypeError, KeyError, IndexError):
+                self.bad_records += 1
+                continue
+            if type(rank) is not int or type(step) is not int or type(rec) is not dict:
+                self.bad_records += 1
+                continue
+            seen = now
+            if seen is None:
+                t = rec.get("time")
+                seen = t if _real(t) else 0.0
+            state = ranks.get(rank)
+            if state is None:
+                state = _RankState(rec, seen, deque(maxlen=rank_history))
+                ranks[rank] = state
+                if self.first_time is None:
+                    t = rec.get("time")
+                    self.first_time = t if _real(t) else seen
+            state.record = rec
+            state.last_seen = seen
+            state.status_override = None
+            loss = rec.get("loss")
+            state.history.append((step, rec.get("step_time_s"), loss, rec.get("mem_allocated")))
+            agg = steps.get(step)
+            if agg is None:
+                if len(steps) >= keep and step < next(iter(steps)):
+                    continue  # older than everything kept: too late for the curves
+                out_of_order = bool(steps) and step < next(reversed(steps))
+                agg = steps[step] = _StepAggregate()
+                if out_of_order:
+                    # A step older than the newest (after a gap): keep the dict sorted.
+                    for key in sorted(steps):
+                        steps.move_to_end(key)
+                if len(steps) > keep:
+                    steps.popitem(last=False)
+            if _real(loss) and -math.inf < loss < math.inf:  # NaN compares false
+                agg.loss_sum += loss
+                agg.loss_n += 1
+            tps = rec.get("tokens_per_s")
+            if _real(tps):
+                agg.tps_sum += tps
+                agg.tps_n += 1
+
+    def add_events(self, events: Iterable[Any]) -> None:
+        """Store events; `exit`, `exception` and `disconnected` change the rank's status."""
+        for event in events:
+            if not isinstance(event, dict):
+                continue
+            self.events.append(event)
+            rank = event.get("rank")
+            kind = event.get("kind")
+            detail = event.get("detail")
+            detail = detail if isinstance(detail, dict) else {}
+            if kind == "start":
+                total = detail.get("total_steps")
+                if type(total) is int and total > 0:
+                    self.total_steps = total
+                world = detail.get("world_size")
+                if type(world) is int and world > 0:
+                    self.world_size = world
+                t = _number(event.get("time"))
+                if t is not None and (self.first_time is None or t < self.first_time):
+                    self.first_time = t  # the run started before its first record
+            state = self.ranks.get(rank) if type(rank) is int else None
+            if state is None:
+                continue
+            if kind == "exception":
+                state.error = True
+            elif kind == "exit":
+                failed = state.error or detail.get("reason") == "exception"
+                state.status_override = RankStatus.DEAD if failed else RankStatus.EXITED
+            elif kind == "disconnected":
+                # The relay saw the rank's connection close without an exit event: the
+                # process is gone (a later record, after a reconnect, clears this).
+                state.status_override = RankStatus.DEAD
+
+    def history(self, rank: int) -> list[RankHistoryPoint]:
+        """The rank's recent steps, oldest first (empty for an unknown rank)."""
+        state = self.ranks.get(rank)
+        if state is None:
+            return []
+        return [
+            RankHistoryPoint(step, _number(st), _number(loss), _number(mem))
+            for step, st, loss, mem in state.history
+        ]
+
+    def rank_events(self, rank: int) -> list[dict[str, Any]]:
+        """The kept events of one rank, oldest first."""
+        return [e for e in self.events if e.get("rank") == rank]
+
+    def snapshot(self, now: float) -> Snapshot:
+        """Statuses, outliers, summary and curves at monitor time `now`."""
+        cfg = self.settings
+        alive, stale, dead = RankStatus.ALIVE, RankStatus.STALE, RankStatus.DEAD
+        stale_after, dead_after = cfg.stale_after_s, cfg.dead_after_s
+        statuses: list[tuple[int, _RankState, RankStatus, float]] = []
+        live_step_times: list[float] = []
+        for rank, state in self.ranks.items():
+            age = now - state.last_seen
+            if age < 0.0:
+                age = 0.0
+            status = state.status_override
+            if status is None:
+                status = dead if age > dead_after else stale if age > stale_after else alive
+            statuses.append((rank, state, status, age))
+            st = state.record.get("step_time_s")
+            if status is alive and _real(st) and st > 0:
+                live_step_times.append(st)
+        median_st = statistics.median(live_step_times) if live_step_times else None
+        straggler_cut = math.inf
+        if median_st is not None and len(live_step_times) >= 2:
+            straggler_cut = median_st * cfg.straggler_factor
+        mem_cut = cfg.memory_fraction
+
+        # Plain int bits in the loop (enum.Flag arithmetic costs microseconds per use).
+        b_straggler, b_memory, b_nan = Flag.STRAGGLER.value, Flag.MEMORY.value, Flag.NAN_LOSS.value
+        b_stale, b_error = Flag.STALE.value, Flag.ERROR.value
+        rows: dict[int, RankRow] = {}
+        counts = dict.fromkeys(RankStatus, 0)
+        loss_sum, loss_n = 0.0, 0
+        tps_total = 0.0
+        tps_seen = False
+        steps: list[int] = []  # of live (or finished) ranks: the slowest one is shown
+        all_steps: list[int] = []  # of every rank: the run got at least this far
+        dropped = 0
+        outliers = 0
+        for rank, state, status, age in statuses:
+            rec = state.record
+            counts[status] += 1
+            bits = b_stale if status is stale or status is dead else 0
+            if state.error:
+                bits |= b_error
+            st = rec.get("step_time_s")
+            if _real(st) and st > straggler_cut:
+                bits |= b_straggler
+            loss = rec.get("loss")
+            finite_loss = _real(loss) and -math.inf < loss < math.inf
+            if _real(loss) and not finite_loss:
+                bits |= b_nan
+            mem_frac = None
+            cap = rec.get("device_mem_total")
+            if _real(cap) and cap > 0:
+                used = rec.get("mem_reserved")
+                nvml = rec.get("device_mem_used")
+                used = used if _real(used) else 0
+                if _real(nvml) and nvml > used:
+                    used = nvml
+                mem_frac = used / cap
+                if mem_frac > mem_cut:
+                    bits |= b_memory
+            if bits:
+                outliers += 1
+            rows[rank] = RankRow(rank, rec, status, FLAGS_BY_BITS[bits], age, mem_frac)
+            drop = rec.get("dropped")
+            if type(drop) is int:
+                dropped += drop
+            step = rec["step"]
+            all_steps.append(step)
+            if status is alive or status is RankStatus.EXITED:
+                steps.append(step)
+                if finite_loss and _real(loss):  # (the second test is for the type checker)
+                    loss_sum += loss
+                    loss_n += 1
+                tps = rec.get("tokens_per_s")
+                if status is alive and _real(tps):
+                    tps_total += tps
+                    tps_seen = True
+        losses_mean = loss_sum / loss_n if loss_n else None
+
+        step = max(all_steps) if all_steps else None
+        elapsed = None
+        if self.first_time is not None and self.ranks:
+            end = now
+            if not counts[alive] and not counts[stale]:
+                # Every rank exited or died: the run's clock stopped with its last record.
+                end = max(state.last_seen for state in self.ranks.values())
+            elapsed = max(0.0, end - self.first_time)
+        eta = None
+        if self.total_steps is not None and step is not None and median_st is not None:
+            eta = max(0, self.total_steps - step) * median_st
+        summary = Summary(
+            step=step,
+            min_step=min(steps) if steps else None,
+            loss=losses_mean,
+            tokens_per_s=tps_total if tps_seen else None,
+            alive=counts[RankStatus.ALIVE],
+            stale=counts[RankStatus.STALE],
+            dead=counts[RankStatus.DEAD],
+            exited=counts[RankStatus.EXITED],
+            elapsed_s=elapsed,
+            eta_s=eta,
+            median_step_time_s=median_st,
+            outliers=outliers,
+            dropped=dropped,
+            missing=max(0, (self.world_size or 0) - len(self.ranks)),
+        )
+        loss_curve = [(s, a.loss_sum / a.loss_n) for s, a in self._steps.items() if a.loss_n]
+        tput_curve = [(s, a.tps_sum) for s, a in self._steps.items() if a.tps_n]
+        if len(tput_curve) >= 2:
+            # The newest step is usually reported by only some ranks so far: scale its
+            # per-rank mean to the previous step's rank count so it does not show as a dip.
+            aggs = [a for a in self._steps.values() if a.tps_n]
+            last, prev = aggs[-1], aggs[-2]
+            n = max(last.tps_n, prev.tps_n)
+            tput_curve[-1] = (tput_curve[-1][0], last.tps_sum / last.tps_n * n)
+        return Snapshot(now, summary, rows, loss_curve, tput_curve)

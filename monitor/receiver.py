@@ -1,0 +1,185 @@
+"""Connection to one relay: handshake, history, live records; reconnects on failure.
+
+`RelayClient.run` is a coroutine the app runs as a worker (one per relay address). It
+posts only callbacks (`on_batch`, `on_status`), which the app turns into messages
+(monitor/messages.py), so the client is tested and benchmarked without Textual.
+
+Handshake (monitor/PROTOCOL.md): the relay speaks first with a `challenge`; the monitor
+answers `hello` (role "monitor", with an HMAC proof when the relay requires a shared
+secret); the relay answers `welcome` (with its own proof) or `error`, then sends
+`history` frames (the run so far) and live `records`/`events`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdpx.telemetry.protocol import (
+    FrameDecoder,
+    ProtocolError,
+    check_welcome,
+    encode_frame,
+    make_hello,
+)
+from fsdpx.telemetry.transport import parse_address
+
+_READ_BYTES = 1 << 18
+
+
+@dataclass
+class Batch:
+    """What one flush delivers: records and events from `source`, received at `received_at`."""
+
+    source: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    received_at: float = 0.0
+    history: bool = False
+
+
+@dataclass
+class RelayClient:
+    """Receives a relay's history and live traffic, in batches, forever (reconnecting).
+
+    Args:
+        address: `host:port` or a Unix socket path.
+        on_batch: called with each Batch (history first, then live flushes).
+        on_status: called with (connected, detail) when the connection changes.
+        secret: the relay's shared secret, or None.
+        clock: monitor time for `Batch.received_at` (see monitor/model.py [Note: clocks]).
+        flush_interval_s: longest time received records wait before a flush.
+        retry_s: first reconnect delay; doubles per failure up to `max_retry_s`.
+
+    Example::
+
+        client = RelayClient("/tmp/relay.sock", on_batch=print, on_status=print)
+        asyncio.run(client.run())
+    """
+
+    address: str
+    on_batch: Callable[[Batch], None]
+    on_status: Callable[[bool, str], None]
+    secret: bytes | None = None
+    clock: Callable[[], float] = time.time
+    flush_interval_s: float = 0.1
+    retry_s: float = 0.5
+    max_retry_s: float = 5.0
+    reconnect: bool = True
+    frames: int = field(default=0, init=False)
+
+    async def run(self) -> None:
+        """Connect, receive, and reconnect after failures until cancelled (or once, when
+        `reconnect` is False)."""
+        delay = self.retry_s
+        while True:
+            try:
+                await self._session()
+                delay = self.retry_s  # a session that ended cleanly: retry soon
+                self.on_status(False, "relay closed the connection")
+            except OSError as exc:
+                self.on_status(False, f"cannot reach relay: {exc.strerror or exc}")
+            except ProtocolError as exc:
+                self.on_status(False, str(exc))
+            if not self.reconnect:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.max_retry_s)
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        target = parse_address(self.address)
+        if target.path is not None:
+            return await asyncio.open_unix_connection(target.path, limit=_READ_BYTES)
+        return await asyncio.open_connection(target.host, target.port, limit=_READ_BYTES)
+
+    async def _next(self, reader: asyncio.StreamReader, decoder: FrameDecoder) -> dict[str, Any]:
+        while (message := decoder.next_message()) is None:
+            data = await reader.read(_READ_BYTES)
+            if not data:
+                raise ProtocolError("relay closed the connection during the handshake")
+            decoder.push(data)
+        return message
+
+    async def _session(self) -> None:
+        reader, writer = await self._open()
+        try:
+            decoder = FrameDecoder()
+            challenge = await self._next(reader, decoder)
+            hello, auth = make_hello(
+                challenge,
+                role="monitor",
+                secret=self.secret,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+            )
+            writer.write(encode_frame(hello))
+            await writer.drain()
+            # The welcome (or error) is untagged; every frame after it is tagged.
+            check_welcome(await self._next(reader, decoder), auth)
+            decoder.auth = auth
+            self.on_status(True, "connected")
+            await self._receive(reader, decoder)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await writer.wait_closed()
+
+    async def _receive(self, reader: asyncio.StreamReader, decoder: FrameDecoder) -> None:
+        # Live records wait in `pending` until a timer flushes them (one timer per
+        # interval, not a timeout per read: asyncio.wait_for costs a task per call).
+        loop = asyncio.get_running_loop()
+        pending = Batch(self.address)
+        timer: asyncio.TimerHandle | None = None
+
+        def flush() -> None:
+            nonlocal pending, timer
+            timer = None
+            self._flush(pending)
+            pending = Batch(self.address)
+
+        try:
+            while True:
+                while (message := decoder.next_message()) is not None:
+                    self.frames += 1
+                    kind = message.get("type")
+                    if kind == "history":
+                        # The run so far: delivered at once, ahead of anything live.
+                        flush()
+                        records, events = (
+                            _list(message.get("records")),
+                            _list(message.get("events")),
+                        )
+                        self._deliver(Batch(self.address, records, events, history=True))
+                    elif kind == "records":
+                        pending.records.extend(_list(message.get("records")))
+                    elif kind == "events":
+                        pending.events.extend(_list(message.get("events")))
+                if timer is None and (pending.records or pending.events):
+                    timer = loop.call_later(self.flush_interval_s, flush)
+                data = await reader.read(_READ_BYTES)
+                if not data:
+                    return
+                decoder.push(data)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            flush()
+
+    def _flush(self, batch: Batch) -> None:
+        if batch.records or batch.events:
+            self._deliver(batch)
+
+    def _deliver(self, batch: Batch) -> None:
+        batch.received_at = self.clock()
+        self.on_batch(batch)
+
+
+def _list(value: Any) -> list[Any]:
+    # Items are checked by the model (it counts bad ones); here only the list itself.
+    return value if type(value) is list else []

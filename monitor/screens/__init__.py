@@ -1,0 +1,1 @@
+"""The monitor's screens besides the main one."""

@@ -1,0 +1,130 @@
+"""What the monitor shows, as plain values: rank statuses, outlier flags, thresholds,
+and the per-refresh `Snapshot` (rows, summary, curves) the widgets draw from.
+
+monitor/model.py computes these from records; nothing here does work.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class RankStatus(enum.Enum):
+    """How recently a rank was heard from, or how it ended."""
+
+    ALIVE = "alive"
+    STALE = "stale"
+    DEAD = "dead"
+    EXITED = "exited"
+
+
+class Flag(enum.Flag):
+    """Outlier flags of one rank; several can hold at once."""
+
+    NONE = 0
+    STRAGGLER = enum.auto()
+    """Step time above `straggler_factor` x the median of the live ranks."""
+    MEMORY = enum.auto()
+    """Device memory (reserved or used) above `memory_fraction` of its capacity."""
+    NAN_LOSS = enum.auto()
+    """Loss is NaN or infinite."""
+    STALE = enum.auto()
+    """Not heard from for `stale_after_s` (or dead)."""
+    ERROR = enum.auto()
+    """The rank reported an exception."""
+
+
+FLAGS_BY_BITS = [Flag(bits) for bits in range(32)]
+"""Every combination of the five flags, indexed by its bits (a list lookup in the hot loop)."""
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """Thresholds of the monitor; defaults are the command line's defaults."""
+
+    stale_after_s: float = 10.0
+    """A rank not heard from for this long is stale (shown, flagged)."""
+    dead_after_s: float = 60.0
+    """A rank not heard from for this long is dead."""
+    straggler_factor: float = 1.5
+    """Step time above this multiple of the live ranks' median marks a straggler."""
+    memory_fraction: float = 0.9
+    """Memory above this fraction of the device capacity is flagged."""
+    history_steps: int = 4096
+    """Steps kept for the loss and throughput curves."""
+    rank_history: int = 120
+    """Records kept per rank for the detail screen."""
+    max_events: int = 2000
+    """Events kept for the events log."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.stale_after_s <= self.dead_after_s:
+            raise ValueError(
+                f"expected 0 < stale_after_s <= dead_after_s, found stale_after_s="
+                f"{self.stale_after_s}, dead_after_s={self.dead_after_s}; "
+                "pick a stale threshold no longer than the dead one"
+            )
+        if self.straggler_factor <= 1.0:
+            raise ValueError(
+                f"expected straggler_factor > 1, found {self.straggler_factor}; "
+                "1.5 flags ranks 50% slower than the median"
+            )
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"expected 0 < memory_fraction <= 1, found {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class RankHistoryPoint:
+    """One step of one rank, as the detail screen plots it."""
+
+    step: int
+    step_time_s: float | None
+    loss: float | None
+    mem_allocated: float | None
+
+
+@dataclass(slots=True)
+class RankRow:
+    """What the rank table and detail screen show for one rank at one snapshot."""
+
+    rank: int
+    record: Mapping[str, Any]
+    status: RankStatus
+    flags: Flag
+    age_s: float
+    mem_fraction: float | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The run at a glance (the summary bar)."""
+
+    step: int | None
+    min_step: int | None
+    loss: float | None
+    tokens_per_s: float | None
+    alive: int
+    stale: int
+    dead: int
+    exited: int
+    elapsed_s: float | None
+    eta_s: float | None
+    median_step_time_s: float | None
+    outliers: int
+    dropped: int
+    missing: int = 0
+    """Ranks of the run (world size from the start events) never heard from."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the widgets draw, computed once per refresh."""
+
+    now: float
+    summary: Summary
+    rows: dict[int, RankRow]
+    loss_curve: list[tuple[int, float]]
+    throughput_curve: list[tuple[int, float]]

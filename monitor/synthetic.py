@@ -1,0 +1,174 @@
+"""Deterministic synthetic telemetry: records and events of a made-up run.
+
+Used by the tests (fixed logs, model and app checks) and by benchmarks/monitor_cpu.py
+(thousands of simulated ranks) so both exercise the monitor with the same shapes the
+publisher sends (the field names of `fsdpx.telemetry.protocol.RECORD_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1024**3
+
+
+@dataclass
+class SyntheticRun:
+    """A run of `n_ranks` ranks on hosts of `ranks_per_host`, with injected anomalies.
+
+    Args:
+        n_ranks: number of ranks.
+        seed: random seed; the same arguments give the same records.
+        ranks_per_host: ranks per simulated host (host names `node000`, ...).
+        step_time_s: nominal step time.
+        start_time: wall time of step 0.
+        straggler: a rank whose step time is 2.5x the others (None: none).
+        memory_hog: a rank near its device memory capacity (None: none).
+        nan_rank: a rank whose loss is NaN from step `nan_from_step` (None: none).
+        stop_rank: a rank that stops publishing after step `stop_after_step` (None: none).
+
+    Example::
+
+        run = SyntheticRun(n_ranks=4, seed=0)
+        records = run.records(step=1)
+        assert [r["rank"] for r in records] == [0, 1, 2, 3]
+    """
+
+    n_ranks: int
+    seed: int = 0
+    ranks_per_host: int = 8
+    step_time_s: float = 0.2
+    start_time: float = 1_700_000_000.0
+    straggler: int | None = None
+    memory_hog: int | None = None
+    nan_rank: int | None = None
+    nan_from_step: int = 0
+    stop_rank: int | None = None
+    stop_after_step: int = 0
+    tokens_per_step: int = 8192
+    capacity: int = 80 * GIB
+    _jitter: list[float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        self._jitter = [rng.uniform(0.97, 1.03) for _ in range(self.n_ranks)]
+
+    def time_of(self, step: int) -> float:
+        """Wall time at which `step` ends (on a nominal rank)."""
+        return self.start_time + step * self.step_time_s
+
+    def record(self, rank: int, step: int) -> dict[str, Any]:
+        """The record rank `rank` publishes after optimizer step `step`."""
+        st = self.step_time_s * self._jitter[rank]
+        if rank == self.straggler:
+            st *= 2.5
+        loss = 4.0 * math.exp(-step / 200.0) + 1.5 + 0.02 * math.sin(step + rank)
+        if rank == self.nan_rank and step >= self.nan_from_step:
+            loss = float("nan")
+        allocated = (20 + (rank % 7)) * GIB
+        reserved = allocated + 4 * GIB
+        if rank == self.memory_hog:
+            reserved = int(0.96 * self.capacity)
+        return {
+            "rank": rank,
+            "local_rank": rank % self.ranks_per_host,
+            "host": f"node{rank // self.ranks_per_host:03d}",
+            "pid": 1000 + rank,
+            "step": step,
+            "time": self.time_of(step),
+            "loss": loss,
+            "lr": 3e-4 * min(1.0, step / 100.0),
+            "grad_norm": 1.0 + 0.1 * math.cos(step),
+            "loss_scale": None,
+            "skipped": False,
+            "step_time_s": st,
+            "tokens_per_s": self.tokens_per_step / st,
+            "mem_allocated": allocated,
+            "mem_reserved": reserved,
+            "mem_peak": reserved - GIB,
+            "alloc_retries": 0,
+            "ooms": 0,
+            "device_mem_used": reserved + GIB // 2,
+            "device_mem_total": self.capacity,
+            "device_util": 90.0 + (rank % 10),
+            "device_power_w": 600.0,
+            "device_temp_c": 60.0 + (rank % 5),
+            "host_rss": 8 * GIB,
+            "tflops": 400.0 * self.step_time_s / st,
+            "mfu": 0.4 * self.step_time_s / st,
+            "comm_bytes": 2 * GIB,
+            "dropped": 0,
+        }
+
+    def publishing(self, rank: int, step: int) -> bool:
+        """Whether `rank` still publishes at `step` (False after the injected stop)."""
+        return not (rank == self.stop_rank and step > self.stop_after_step)
+
+    def records(self, step: int) -> list[dict[str, Any]]:
+        """All ranks' records of one step (minus a stopped rank's)."""
+        return [self.record(r, step) for r in range(self.n_ranks) if self.publishing(r, step)]
+
+    def start_events(self, total_steps: int | None = None) -> list[dict[str, Any]]:
+        """The `start` event of every rank."""
+        detail: dict[str, Any] = {"world_size": self.n_ranks}
+        if total_steps is not None:
+            detail["total_steps"] = total_steps
+        return [
+            {
+                "rank": r,
+                "host": f"node{r // self.ranks_per_host:03d}",
+                "time": self.start_time,
+                "kind": "start",
+                "step": 0,
+                "detail": detail,
+            }
+            for r in range(self.n_ranks)
+        ]
+
+    def messages(self, steps: int, total_steps: int | None = None) -> list[dict[str, Any]]:
+        """A whole run as protocol messages: start events, one `records` message per step,
+        a checkpoint event at the middle, exit events at the end."""
+        out: list[dict[str, Any]] = [{"type": "events", "events": self.start_events(total_steps)}]
+        for step in range(1, steps + 1):
+            out.append({"type": "records", "records": self.records(step)})
+            if step == steps // 2:
+                out.append(
+                    {
+                        "type": "events",
+                        "events": [
+                            {
+                                "rank": 0,
+                                "host": "node000",
+                                "time": self.time_of(step),
+                                "kind": "checkpoint_saved",
+                                "step": step,
+                                "detail": {
+                                    "path": "ckpt/step",
+                                    "bytes": 3 * GIB,
+                                    "duration_s": 1.5,
+                                },
+                            }
+                        ],
+                    }
+                )
+        out.append(
+            {
+                "type": "events",
+                "events": [
+                    {
+                        "rank": r,
+                        "host": f"node{r // self.ranks_per_host:03d}",
+                        "time": self.time_of(steps),
+                        "kind": "exit",
+                        "step": steps,
+                        "detail": {"reason": "finished", "dropped": 0},
+                    }
+                    for r in range(self.n_ranks)
+                    if self.publishing(r, steps)
+                ],
+            }
+        )
+        return out

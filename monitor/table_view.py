@@ -1,0 +1,270 @@
+"""Columns, sorting, filtering and cell formatting of the rank table (pure, no Textual).
+
+The widget (monitor/widgets/rank_table.py) asks this module for the row order once per
+refresh and for the text of the few rows on screen; keeping it here lets the tests check
+sort and filter rules without a terminal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from monitor.state import Flag, RankRow, RankStatus
+
+GIB = 1024.0**3
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: header, width, how to format a row, and its drop priority
+    (columns with the highest `drop` go first when the terminal is too narrow; 0: never)."""
+
+    key: str
+    title: str
+    width: int
+    cell: Callable[[RankRow], str]
+    drop: int = 0
+    align_left: bool = False
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def fmt_float(value: Any, digits: int = 3) -> str:
+    """A number for a cell: fixed digits, `nan`/`inf` spelled out, `-` when unknown."""
+    v = _num(value)
+    if v is None:
+        return "-"
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.{digits}f}"
+
+
+def fmt_gib(value: Any) -> str:
+    """Bytes as GiB with one decimal, `-` when unknown."""
+    v = _num(value)
+    return "-" if v is None else f"{v / GIB:.1f}"
+
+
+def fmt_si(value: Any) -> str:
+    """A rate with an SI suffix (12.3k, 4.56M), `-` when unknown."""
+    v = _num(value)
+    if v is None or not math.isfinite(v):
+        return "-"
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= limit:
+            return f"{v / limit:.3g}{suffix}"
+    return f"{v:.3g}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """Seconds as H:MM:SS (or M:SS), `-` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def fmt_age(seconds: float) -> str:
+    """A last-seen age: 0.4s, 12s, 3m, 2h."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.0f}h"
+
+
+FLAG_LETTERS: tuple[tuple[Flag, str], ...] = (
+    (Flag.STRAGGLER, "S"),
+    (Flag.MEMORY, "M"),
+    (Flag.NAN_LOSS, "N"),
+    (Flag.STALE, "Z"),
+    (Flag.ERROR, "E"),
+)
+"""Letters of the flags column; the summary bar shows the legend."""
+
+
+def fmt_flags(flags: Flag) -> str:
+    return "".join(letter for flag, letter in FLAG_LETTERS if flag & flags)
+
+
+def _mem_pct(row: RankRow) -> str:
+    return "-" if row.mem_fraction is None else f"{100 * row.mem_fraction:.0f}%"
+
+
+def _util(row: RankRow) -> str:
+    v = _num(row.record.get("device_util"))
+    return "-" if v is None else f"{v:.0f}%"
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("rank", "rank", 5, lambda r: str(r.rank)),
+    Column("host", "host", 9, lambda r: str(r.record.get("host") or "-")[:9], 1, True),
+    Column("status", "state", 6, lambda r: r.status.value, 0, True),
+    Column("step", "step", 7, lambda r: str(r.record.get("step"))),
+    Column("step_time", "step_s", 7, lambda r: fmt_float(r.record.get("step_time_s"), 3)),
+    Column("loss", "loss", 8, lambda r: fmt_float(r.record.get("loss"), 4)),
+    Column("alloc", "alloc", 6, lambda r: fmt_gib(r.record.get("mem_allocated")), 3),
+    Column("reserved", "resv", 6, lambda r: fmt_gib(r.record.get("mem_reserved"))),
+    Column("peak", "peak", 6, lambda r: fmt_gib(r.record.get("mem_peak")), 4),
+    Column("capacity", "cap", 6, lambda r: fmt_gib(r.record.get("device_mem_total")), 2),
+    Column("mem", "mem%", 5, _mem_pct),
+    Column("util", "util", 5, _util, 5),
+    # Host memory: the only memory a CPU-only rank reports.
+    Column("rss", "rss", 6, lambda r: fmt_gib(r.record.get("host_rss")), 6),
+    Column("age", "age", 6, lambda r: fmt_age(r.age_s)),
+    Column("flags", "flags", 5, lambda r: fmt_flags(r.flags), 0, True),
+)
+
+
+def fit_columns(width: int, columns: Sequence[Column] = COLUMNS) -> list[Column]:
+    """The columns that fit in `width` cells (one space between columns), dropping the
+    least important first; the rest scroll horizontally if still too wide."""
+    kept = list(columns)
+    droppable = sorted((c for c in kept if c.drop), key=lambda c: -c.drop)
+    while droppable and sum(c.width + 1 for c in kept) > width:
+        kept.remove(droppable.pop(0))
+    return kept
+
+
+def format_row(row: RankRow, columns: Sequence[Column]) -> str:
+    """One row's text, columns padded to their widths."""
+    cells = []
+    for col in columns:
+        text = col.cell(row)[: col.width]
+        cells.append(text.ljust(col.width) if col.align_left else text.rjust(col.width))
+    return " ".join(cells)
+
+
+def format_header(columns: Sequence[Column], sort_key: str, descending: bool) -> str:
+    """The header line; the sort column carries an arrow."""
+    cells = []
+    for col in columns:
+        title = col.title + (("↓" if descending else "↑") if col.key == sort_key else "")
+        title = title[: col.width]
+        cells.append(title.ljust(col.width) if col.align_left else title.rjust(col.width))
+    return " ".join(cells)
+
+
+_STATUS_ORDER = {RankStatus.DEAD: 0, RankStatus.STALE: 1, RankStatus.ALIVE: 2, RankStatus.EXITED: 3}
+
+
+def _sort_value(row: RankRow, key: str) -> float:
+    rec = row.record
+    value: float | None
+    if key == "rank":
+        return float(row.rank)
+    if key == "step":
+        value = _num(rec.get("step"))
+    elif key == "step_time":
+        value = _num(rec.get("step_time_s"))
+    elif key == "loss":
+        value = _num(rec.get("loss"))
+        if value is not None and math.isnan(value):
+            value = math.inf  # NaN sorts as the worst loss, not randomly
+    elif key == "mem":
+        value = row.mem_fraction
+    elif key == "util":
+        value = _num(rec.get("device_util"))
+    elif key == "age":
+        value = row.age_s
+    elif key == "status":
+        value = float(_STATUS_ORDER[row.status])
+    elif key == "flags":
+        value = float(bin(row.flags.value).count("1"))
+    else:
+        raise ValueError(f"unknown sort key {key!r}; expected one of {SORT_KEYS}")
+    return -math.inf if value is None else value
+
+
+SORT_KEYS: tuple[str, ...] = (
+    "rank",
+    "step_time",
+    "loss",
+    "mem",
+    "step",
+    "util",
+    "age",
+    "flags",
+    "status",
+)
+"""Sort keys in the order the `s` key cycles through them."""
+
+
+Predicate = Callable[[RankRow], bool]
+
+
+def _rank_between(lo: int, hi: int) -> Predicate:
+    return lambda row: lo <= row.rank <= hi
+
+
+def _status_is(status: RankStatus) -> Predicate:
+    return lambda row: row.status is status
+
+
+def _has_flag(flag: Flag) -> Predicate:
+    return lambda row: bool(row.flags & flag)
+
+
+def _host_contains(text: str) -> Predicate:
+    return lambda row: text in str(row.record.get("host") or "").lower()
+
+
+_FLAG_WORDS = {
+    "outliers": ~Flag.NONE,
+    "outlier": ~Flag.NONE,
+    "straggler": Flag.STRAGGLER,
+    "memory": Flag.MEMORY,
+    "nan": Flag.NAN_LOSS,
+    "error": Flag.ERROR,
+}
+
+
+def make_filter(query: str) -> Predicate:
+    """A row predicate from the filter box's text.
+
+    Terms, separated by spaces, all must match: `12` (rank 12), `8-15` (ranks 8..15),
+    `outliers` (any flag), `stale`/`dead`/`alive`/`exited` (status), `straggler`, `memory`,
+    `nan`, `error` (a flag), anything else: a substring of the host name.
+
+    Example::
+
+        keep = make_filter("node003 outliers")
+    """
+    preds: list[Predicate] = []
+    for term in query.lower().split():
+        lo, dash, hi = term.partition("-")
+        if term.isdigit():
+            preds.append(_rank_between(int(term), int(term)))
+        elif dash and lo.isdigit() and hi.isdigit():
+            preds.append(_rank_between(int(lo), int(hi)))
+        elif term in _FLAG_WORDS:
+            preds.append(_has_flag(_FLAG_WORDS[term]))
+        elif term in {s.value for s in RankStatus}:
+            preds.append(_status_is(RankStatus(term)))
+        else:
+            preds.append(_host_contains(term))
+    return lambda row: all(p(row) for p in preds)
+
+
+def order_rows(
+    rows: dict[int, RankRow], *, sort_key: str, descending: bool, query: str
+) -> list[int]:
+    """Ranks to show, filtered by `query` and sorted by `sort_key` (ties by rank)."""
+    keep = make_filter(query) if query.strip() else None
+    selected = [r for r in rows.values() if keep is None or keep(r)]
+    selected.sort(key=lambda r: r.rank)
+    selected.sort(key=lambda r: _sort_value(r, sort_key), reverse=descending)
+    return [r.rank for r in selected]

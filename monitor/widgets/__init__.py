@@ -1,0 +1,1 @@
+"""The monitor's widgets, one per module."""

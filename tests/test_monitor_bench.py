@@ -1,0 +1,26 @@
+"""benchmarks/monitor_cpu.py runs end to end with the smallest settings (a smoke test:
+timings are printed by the script, never asserted here)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_monitor_cpu_benchmark_runs() -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "monitor_cpu.py"),
+        "--ranks", "16", "--seconds", "1", "--warmup", "0.5", "--size", "80x24",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    for table in ("line", "datatable"):
+        assert re.search(rf"^{table}\s+ranks=\s+16\s+monitor CPU\s+[\d.]+%", proc.stdout, re.M)
+    assert re.search(r"^ranks=16: target 80 records/s; .* CPU % per 1k", proc.stdout, re.M)
