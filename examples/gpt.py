@@ -154,11 +154,19 @@ class GPT(nn.Module):
                 f"sequence length {seq} exceeds block_size {self.config.block_size}; "
                 "crop the input or build the model with a larger GPTConfig.block_size"
             )
-        pos = torch.arange(seq, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        # A pipeline stage holds only some modules, the others are None (fsdpx's
+        # pipeline_split): later stages take hidden states instead of token ids.
+        x = idx
+        if self.wte is not None:
+            pos = torch.arange(seq, device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.lm_head is None:
+            return x
+        logits = self.lm_head(x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -64,6 +64,7 @@ def apply_zero(
     zero: ZeroConfig,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None = None,
+    block_reshard_after_forward: bool | int | None = None,
 ) -> FSDPModule:
     """Shard each block, then the root, with the settings of `zero.stage`, in place.
 
@@ -71,16 +72,21 @@ def apply_zero(
         model: the model (on its device, or on meta to be materialised after sharding).
         blocks: units sharded one by one (see fsdpx.blocks.find_blocks).
         mesh: the 2D (dp_replicate, dp_shard) mesh (ParallelDims.fsdp_mesh).
+        block_reshard_after_forward: overrides the stage's block setting (pipeline
+            parallelism forces False: see fsdpx/pipeline_parallel.py).
     Returns:
         The model, now an FSDPModule.
     """
     plan = stage_plan(zero)
+    raf = plan.block_reshard_after_forward
+    if block_reshard_after_forward is not None:
+        raf = block_reshard_after_forward
     offload = offload_policy or OffloadPolicy()
     for block in blocks:
         fully_shard(
             block,
             mesh=mesh,
-            reshard_after_forward=plan.block_reshard_after_forward,
+            reshard_after_forward=raf,
             mp_policy=mp_policy,
             offload_policy=offload,
         )
