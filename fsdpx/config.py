@@ -358,17 +358,31 @@ class ActivationCheckpointConfig:
         )
 
 
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel")
+"""Style names a tensor_parallel.plan may use (fsdpx/tp_plans.py maps them to torch styles)."""
+
+
 @dataclass(frozen=True)
 class TensorParallelConfig:
     """Tensor (and sequence) parallelism over the mesh's tp axis; used when mesh.tp > 1."""
 
     plan: dict[str, str] | None = None
-    """Module-name pattern -> style ("colwise", "rowwise", "sequence_parallel", ...).
-    None: the automatic plan for recognised block layouts."""
+    """Module-name glob (fnmatch, e.g. "blocks.*.mlp.up_proj") -> style: "colwise",
+    "rowwise" or "sequence_parallel". None: the automatic plan, which recognises attention
+    q/k/v/o and MLP up/gate/down projections by module name (fsdpx/tp_plans.py)."""
     sequence_parallel: bool = False
-    """Shard norms and dropout along the sequence between the tensor-parallel matmuls."""
+    """Shard the activations between blocks (and the norms inside them) along the sequence."""
     loss_parallel: bool = False
     """Keep the logits sharded over the vocabulary and compute the loss in parallel."""
+
+    def __post_init__(self) -> None:
+        for pattern, style in (self.plan or {}).items():
+            _check(
+                style in TP_STYLES,
+                f"tensor_parallel.plan[{pattern!r}]",
+                style,
+                "one of " + ", ".join(repr(s) for s in TP_STYLES),
+            )
 
 
 PIPELINE_SCHEDULES = (
@@ -413,6 +427,14 @@ class PipelineConfig:
             self.stages_per_rank,
             "an integer >= 1",
         )
+        for name in ("first_stage_layers", "last_stage_layers"):
+            v = getattr(self, name)
+            _check(v is None or v >= 1, f"pipeline.{name}", v, "an integer >= 1, or null")
+            if v is not None and self.split_points:
+                raise ValueError(
+                    f"config key 'pipeline.{name}' ({v}) applies to the even split only, but "
+                    f"pipeline.split_points {list(self.split_points)} is set; drop one of them"
+                )
 
 
 @dataclass(frozen=True)
@@ -435,19 +457,51 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    """Live per-rank telemetry for the monitor (monitor/PROTOCOL.md)."""
+    """Live per-rank telemetry for the monitor (monitor/PROTOCOL.md, fsdpx/telemetry)."""
 
     enabled: bool = False
-    """Publish a record per step and events from every rank."""
+    """Publish a record per optimizer step and events (start, checkpoint, overflow,
+    exception, exit) from every rank to the node's relay."""
     relay: str | None = None
-    """Relay address (a Unix socket path or host:port); None: this node's default relay."""
+    """Relay address: a Unix socket path, or host:port (loopback TCP); None: this user's
+    per-node default socket ($XDG_RUNTIME_DIR/fsdpx/telemetry.sock or
+    /tmp/fsdpx-<uid>/telemetry.sock)."""
+    start_relay: bool = True
+    """Local rank 0 starts a relay thread in its process when nothing answers at `relay`
+    (it stops with the job); False: only an external `python -m fsdpx.telemetry.relay`."""
+    log_path: str | None = None
+    """The replay log (zstd, append-only) of the relay started by local rank 0; None: no
+    log. An external relay writes the log given by its --log instead."""
     queue_size: int = 4096
-    """Records kept while the relay is slow or absent; the oldest are dropped (counted)."""
+    """Records (and events) kept while the relay is slow or absent; the oldest are
+    dropped and counted in each record's `dropped`."""
     tokens_per_step: int | None = None
-    """Tokens per optimizer step on this rank, for tokens/s and MFU; None: not shown."""
+    """Tokens per optimizer step on this rank, for tokens/s; None: not shown."""
+    measure_flops: bool = True
+    """Count model FLOPs and collective bytes of the first training step (for TFLOP/s,
+    MFU and comm_bytes); the first step runs slower while counting."""
+    poll_interval_s: float = 0.5
+    """How often the sender thread wakes up to send what is queued."""
+    send_timeout_s: float = 1.0
+    """Socket timeout for connecting and for sending one batch; a batch not sent in
+    time is dropped (counted) and the connection retried with backoff."""
+    secret_env: str = "FSDPX_TELEMETRY_SECRET"
+    """Environment variable holding the shared secret (HMAC) for relays that require
+    one; the secret itself is never part of a config file."""
+    run_id: str | None = None
+    """A name for this run, sent in each rank's hello (shown by the monitor)."""
 
     def __post_init__(self) -> None:
         _check(self.queue_size >= 1, "telemetry.queue_size", self.queue_size, "an integer >= 1")
+        for key in ("poll_interval_s", "send_timeout_s"):
+            value = getattr(self, key)
+            _check(value > 0, f"telemetry.{key}", value, "a number of seconds > 0")
+        _check(
+            self.tokens_per_step is None or self.tokens_per_step >= 1,
+            "telemetry.tokens_per_step",
+            self.tokens_per_step,
+            "None or an integer >= 1",
+        )
 
 
 @dataclass(frozen=True)
@@ -543,6 +597,29 @@ class Config:
             return cls.from_dict(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_deepspeed(
+        cls, path_or_dict: str | Path | Mapping[str, Any], *, world_size: int | None = None
+    ) -> Config:
+        """Translate a DeepSpeed config (file with hjson comments/trailing commas, or dict).
+
+        Args:
+            path_or_dict: the ds_config file or its loaded dict.
+            world_size: ranks in the job, for the batch-size rule and MiCS; None reads the
+                WORLD_SIZE environment variable (torchrun sets it), else 1.
+        Returns:
+            The Config. Mapped and ignored keys are reported once, in one line on the
+            "fsdpx" logger; keys fsdpx cannot honour, unknown keys and an inconsistent
+            batch size raise ValueError. `fsdpx config explain FILE` prints the table.
+
+        Example::
+
+            cfg = Config.from_deepspeed("ds_config_zero2.json", world_size=8)
+        """
+        from fsdpx.deepspeed_config import from_deepspeed
+
+        return from_deepspeed(path_or_dict, world_size=world_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

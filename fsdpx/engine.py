@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,13 +24,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from fsdpx.checkpoint.saving import Checkpointer
 from fsdpx.clip import clip_grad_norm_
 from fsdpx.config import Config
 from fsdpx.distributed import guarded
 from fsdpx.export import save_full_model
-from fsdpx.parallel_dims import ParallelDims
+from fsdpx.parallel_dims import Axis, ParallelDims
+from fsdpx.pipeline_parallel import PipelineRunner
 from fsdpx.precision import LossScaler, grads_have_overflow, unscale_grads_
+from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
+
+if TYPE_CHECKING:
+    from fsdpx.telemetry.publisher import Publisher
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class Engine:
         loss_scaler: LossScaler,
         device: torch.device,
         loss_fn: Callable[..., torch.Tensor] | None = None,
+        pipeline: PipelineRunner | None = None,
+        telemetry: Publisher | None = None,
     ) -> None:
         # One object, two static types: FSDPModule is a mixin that type checkers do not
         # see as an nn.Module.
@@ -75,9 +83,17 @@ class Engine:
         self.device = device
         self.loss_scaler = loss_scaler
         self.loss_fn = loss_fn
+        # Under pipeline parallelism train_batch runs the schedule; gradient norms are
+        # summed over the stages (the pp group).
+        self._pipeline = pipeline
+        # Live telemetry (fsdpx/telemetry): None when telemetry.enabled is off.
+        self.telemetry = telemetry
+        self._pp_group = mesh[Axis.PP.value].get_group() if dims.pp > 1 else None
+        self._loss_parallel = dims.tp > 1 and cfg.tensor_parallel.loss_parallel
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._checkpointer = Checkpointer.from_config(cfg)
         self._last_grad_norm: float | None = None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
 
@@ -101,6 +117,11 @@ class Engine:
         Returns `loss` as given (no loss scale, no division); DeepSpeed instead returns
         `loss.float() / gradient_accumulation_steps` when accumulating.
         """
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                "engine.backward is not available under pipeline parallelism (mesh.pp > 1): "
+                "the schedule interleaves forward and backward; use engine.train_batch"
+            )
         if self.config.gradient_accumulation_steps > 1:
             # With one micro-step every backward is a boundary and FSDP's defaults (sync,
             # reshard) already hold; setting them walks every module on each step.
@@ -110,7 +131,10 @@ class Engine:
                 is_boundary=self.is_gradient_accumulation_boundary(),
             )
         factor = self.loss_scaler.scale / self.config.gradient_accumulation_steps
-        (loss * factor if factor != 1.0 else loss).backward()
+        with loss_context(self._loss_parallel):
+            (loss * factor if factor != 1.0 else loss).backward()
+        if self.telemetry is not None:
+            self.telemetry.observe_loss(loss)
         return loss
 
     @guarded
@@ -132,7 +156,9 @@ class Engine:
         self._last_grad_norm = None
         if not skipped:
             if self.config.gradient_clipping > 0:
-                norm = clip_grad_norm_(self._params, self.config.gradient_clipping)
+                norm = clip_grad_norm_(
+                    self._params, self.config.gradient_clipping, pp_group=self._pp_group
+                )
                 self._last_grad_norm = float(norm)
             self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -141,7 +167,10 @@ class Engine:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
-        return StepResult(self.global_steps, skipped, self._last_grad_norm, scale)
+        result = StepResult(self.global_steps, skipped, self._last_grad_norm, scale)
+        if self.telemetry is not None:
+            self.telemetry.on_step(self, result)  # queues a record; never blocks
+        return result
 
     @guarded
     def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
@@ -151,13 +180,24 @@ class Engine:
         when shard() got a loss_fn, else `module(inputs, targets)` (models that compute
         their own loss). A dict batch is passed as keyword arguments. Returns the mean
         loss over the micro-steps and the data-parallel ranks (the global batch loss).
+        Under pipeline parallelism the micro-batches run through the schedule (the last
+        stage calls loss_fn) and every rank gets the loss.
         """
+        if self._pipeline is not None:
+            batches = [next(data_iter) for _ in range(self.config.gradient_accumulation_steps)]
+            loss = self._pipeline.step(batches, self.loss_scaler.scale, self.device)
+            if self.telemetry is not None:
+                self.telemetry.observe_loss(loss)
+            self.micro_steps += self.config.gradient_accumulation_steps - 1
+            self.step()  # the boundary: overflow check, clipping, optimizer
+            return self.all_reduce_mean(loss)
         total = torch.zeros((), device=self.device)
         for _ in range(self.config.gradient_accumulation_steps):
-            loss = self._loss_of(next(data_iter))
+            with loss_context(self._loss_parallel):
+                loss = self._loss_of(next(data_iter))
             self.backward(loss)
             self.step()
-            total += loss.detach().float()
+            total += plain_loss(loss).detach().float()
         return self.all_reduce_mean(total / self.config.gradient_accumulation_steps)
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
@@ -230,6 +270,87 @@ class Engine:
             dtype=dtype or self.config.precision.param_dtype,
             max_shard_bytes=max_shard_bytes,
         )
+
+    # --- checkpoints (fsdpx/checkpoint; format: checkpoint_tools/FORMAT.md) ---------------
+
+    _COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
+
+    @guarded
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        *,
+        save_latest: bool = True,
+    ) -> Path:
+        """Save model, optimizer, scheduler, loss scaler, step counters and every rank's RNG
+        states as `<save_dir>/<tag>` (tag None: "global_step<N>"), atomically, then point
+        `<save_dir>/latest` at it. Every rank calls it, after engine.step() (gradients are
+        not saved). client_state: msgpack-able values (rank 0's is kept), e.g. the epoch or
+        data-loader position. With checkpoint.async_save it returns once the state is in
+        host memory; the next save, load_checkpoint or wait_for_checkpoint waits for it.
+        Returns the checkpoint's path.
+        """
+        self._check_checkpointable()
+        return self._checkpointer.save(
+            save_dir,
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler,
+            engine_state={k: getattr(self, k) for k in self._COUNTERS},
+            client_state=client_state,
+            layout={"zero_stage": self.config.zero.stage, "mesh": list(self.mesh.shape)},
+            tag=tag,
+            save_latest=save_latest,
+        )
+
+    @guarded
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        *,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[Path, dict[str, Any]]:
+        """Restore what save_checkpoint saved (tag None: the one `latest` names), at any
+        world size, ZeRO stage or mesh. Returns (checkpoint path, client_state). Raises
+        fsdpx.checkpoint.CheckpointNotFoundError when there is nothing to load (DeepSpeed
+        returns None), CheckpointCorruptError naming the damaged file, tensor and offset.
+        """
+        self._check_checkpointable()
+        result = self._checkpointer.load(
+            load_dir,
+            model=self.module,
+            optimizer=self.optimizer,
+            tag=tag,
+            lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+        for k in self._COUNTERS:
+            if k in result.engine_state:
+                setattr(self, k, int(result.engine_state[k]))
+        return result.path, result.client_state
+
+    def _check_checkpointable(self) -> None:
+        # Plain tensors (buffers, Adam's step) are written by global rank 0 only, which
+        # under pipeline parallelism holds one stage: the others' would be lost.
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                "save_checkpoint/load_checkpoint under pipeline parallelism (mesh.pp > 1) "
+                "are not implemented yet; use engine.save_16bit_model to export the weights"
+            )
+
+    @guarded
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until an asynchronous save in flight is committed; raise its error."""
+        return self._checkpointer.wait()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.blocks import find_blocks
@@ -22,8 +23,10 @@ from fsdpx.engine import Engine
 from fsdpx.materialize import materialize_
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
+from fsdpx.pipeline_parallel import parallelize
 from fsdpx.precision import build_loss_scaler, mp_policy
 from fsdpx.schedulers import build_scheduler
+from fsdpx.telemetry.start import start_telemetry
 from fsdpx.zero import apply_zero, dims_for_stage
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
@@ -89,11 +92,6 @@ def shard(
             )
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
-    if dims.tp > 1 or dims.pp > 1:
-        raise NotImplementedError(
-            f"mesh.tp={dims.tp}, mesh.pp={dims.pp}: tensor and pipeline parallelism are not "
-            "implemented yet; use tp=1 and pp=1"
-        )
     mesh = dims.build_mesh(info.device.type)
     # Sub-mesh groups default to a 30-minute timeout; a dead peer must fail within ours.
     set_process_group_timeouts(cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh))
@@ -102,21 +100,38 @@ def shard(
         model.to(info.device)
 
     blocks = find_blocks(model, cfg.zero.block_classes)
-    apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
-    if cfg.compile:
-        for block in blocks:
-            block.compile()
-    sharded = apply_zero(
-        model,
-        blocks,
-        mesh=ParallelDims.fsdp_mesh(mesh),
-        zero=cfg.zero,
-        mp_policy=mp_policy(cfg.precision),
-    )
-    if on_meta:
-        materialize_(model, info.device, seed=cfg.seed, init_fn=init_fn)
+    pipeline = None
+    if dims.tp > 1 or dims.pp > 1:
+        # Tensor / pipeline parallelism: fsdpx/pipeline_parallel.py runs the 3D recipe.
+        built = parallelize(
+            model,
+            blocks,
+            cfg=cfg,
+            dims=dims,
+            mesh=mesh,
+            mp_policy=mp_policy(cfg.precision),
+            device=info.device,
+            loss_fn=loss_fn,
+            on_meta=on_meta,
+            init_fn=init_fn,
+        )
+        sharded, pipeline = cast(FSDPModule, built.module), built.pipeline
+    else:
+        apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
+        if cfg.compile:
+            for block in blocks:
+                block.compile()
+        sharded = apply_zero(
+            model,
+            blocks,
+            mesh=ParallelDims.fsdp_mesh(mesh),
+            zero=cfg.zero,
+            mp_policy=mp_policy(cfg.precision),
+        )
+        if on_meta:
+            materialize_(model, info.device, seed=cfg.seed, init_fn=init_fn)
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in cast(nn.Module, sharded).parameters() if p.requires_grad]
     opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
     sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
     return Engine(
@@ -129,4 +144,6 @@ def shard(
         loss_scaler=build_loss_scaler(cfg),
         device=info.device,
         loss_fn=loss_fn,
+        pipeline=pipeline,
+        telemetry=start_telemetry(cfg, info, model, opt),
     )
