@@ -490,9 +490,18 @@ class TelemetryConfig:
     one; the secret itself is never part of a config file."""
     run_id: str | None = None
     """A name for this run, sent in each rank's hello (shown by the monitor)."""
+    total_steps: int | None = None
+    """Optimizer steps the run will take, sent in the start event so the monitor can show
+    an ETA; None: scheduler.total_num_steps when the schedule has one."""
 
     def __post_init__(self) -> None:
         _check(self.queue_size >= 1, "telemetry.queue_size", self.queue_size, "an integer >= 1")
+        _check(
+            self.total_steps is None or self.total_steps >= 1,
+            "telemetry.total_steps",
+            self.total_steps,
+            "an integer >= 1, or null",
+        )
         for key in ("poll_interval_s", "send_timeout_s"):
             value = getattr(self, key)
             _check(value > 0, f"telemetry.{key}", value, "a number of seconds > 0")

@@ -463,7 +463,7 @@ class _Translator:
                 self._set("telemetry", {"enabled": True})
                 detail = (
                     f"telemetry.enabled = True ({block} output: `fsdpx-monitor export` over "
-                    "the telemetry log, being built)"
+                    "the telemetry log)"
                 )
             elif on is False:
                 detail = "false: off"

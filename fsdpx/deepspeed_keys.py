@@ -33,7 +33,7 @@ Action = Literal["section", "mapped", "ignored", "refused"]
 FSDP2_DOES_IT = "FSDP2 manages this itself"
 LOGGING = "logging/profiling: fsdpx reports through telemetry"
 INTERNAL = "DeepSpeed-internal implementation switch"
-MONITOR_OUT = "monitor output: files come from `fsdpx-monitor export` (being built)"
+MONITOR_OUT = "monitor output: files come from `fsdpx-monitor export`"
 OFFLOAD_TUNING = "DeepSpeed's offload buffer tuning"
 NOT_APPLICABLE = "not applicable to fsdpx"
 
@@ -522,7 +522,7 @@ def _table() -> dict[str, KeyRule]:
         for key in keys:
             t[f"{block}.{key}"] = _ignored(
                 f"{block} output is produced from the telemetry log by `fsdpx-monitor "
-                "export` (being built)",
+                "export`",
                 MONITOR_OUT,
             )
     return t

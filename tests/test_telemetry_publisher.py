@@ -353,3 +353,30 @@ def test_config_errors_name_the_key() -> None:
         Config.from_dict({"telemetry": {"tokens_per_step": 0}})
     with pytest.raises(ValueError, match="did you mean"):
         Config.from_dict({"telemetry": {"queue_sise": 5}})
+    with pytest.raises(
+        ValueError, match=r"'telemetry.total_steps' must be an integer >= 1, or null; got 0"
+    ):
+        Config.from_dict({"telemetry": {"total_steps": 0}})
+
+
+def test_start_event_carries_the_run_length(relay_with_log: tuple[Relay, Path]) -> None:
+    """The monitor's ETA needs the run's length: from telemetry.total_steps, else the
+    schedule's total_num_steps."""
+    from fsdpx.config import Config
+    from fsdpx.distributed import DistInfo
+    from fsdpx.telemetry.start import start_telemetry
+
+    relay, log = relay_with_log
+    cfg = Config.from_dict(
+        {
+            "telemetry": {"enabled": True, "start_relay": False, "relay": str(relay.address)},
+            "scheduler": {"type": "WarmupDecayLR", "warmup_num_steps": 2, "total_num_steps": 40},
+        }
+    )
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    model = nn.Linear(2, 2)
+    pub = start_telemetry(cfg, info, model, torch.optim.SGD(model.parameters(), lr=1))
+    assert pub is not None
+    pub.close()  # also restores sys.excepthook
+    relay.stop()
+    assert _events(log)[0]["detail"]["total_steps"] == 40

@@ -104,6 +104,7 @@ class Publisher:
         param_dtype: precision.param_dtype, to pick the device peak for MFU.
         install_hooks: chain sys.excepthook (exception event) and register atexit
             (exit event, final flush); both are undone by close().
+        total_steps: the run's length, sent in the start event (the monitor's ETA).
 
     Example::
 
@@ -126,6 +127,7 @@ class Publisher:
         param_dtype: str = "fp32",
         compiled: bool = False,
         install_hooks: bool = True,
+        total_steps: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
@@ -165,7 +167,10 @@ class Publisher:
             sys.excepthook = self._excepthook
             atexit.register(self.close)
         self._hooks = install_hooks
-        self.event("start", step=0, detail={"world_size": world_size, "device": str(device)})
+        start: dict[str, Any] = {"world_size": world_size, "device": str(device)}
+        if total_steps is not None:  # the monitor's ETA
+            start["total_steps"] = total_steps
+        self.event("start", step=0, detail=start)
         self._thread.start()
 
     # --- training-thread API ------------------------------------------------------------

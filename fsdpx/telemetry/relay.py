@@ -102,6 +102,7 @@ class _Conn:
         "wire",
         "last_step",
         "said_exit",
+        "output_dead",
     )
 
     def __init__(self, sock: socket.socket, challenge: dict[str, Any]) -> None:
@@ -120,6 +121,9 @@ class _Conn:
         self.wire = b""  # the frame being written
         self.last_step: Any = None
         self.said_exit = False
+        # A send failed (the peer went away or shut its read side): nothing more is
+        # written, but the connection stays open for reading until EOF, see _write.
+        self.output_dead = False
 
 
 class Relay:
@@ -388,6 +392,8 @@ class Relay:
     # --- output -------------------------------------------------------------------------
 
     def _queue(self, conn: _Conn, body: bytes, *, keep: bool = False) -> None:
+        if conn.output_dead:
+            return
         if keep:
             conn.keep += 1
         conn.pending.append((body, conn.auth is not None))
@@ -416,8 +422,17 @@ class Relay:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
-                self._close(conn)
-                return
+                # The peer is gone (EPIPE / ECONNRESET): stop writing but do not close.
+                # This runs inside _read's decode loop (the welcome after a hello), and
+                # closing there handled the frames that came in the same read on a
+                # closed socket, after the conn had already left _conns (and a monitor
+                # was registered under fd -1). The frames it sent before leaving are
+                # still ours to take in; reading goes on until EOF, which then closes.
+                conn.output_dead = True
+                conn.pending.clear()
+                conn.pending_bytes = conn.keep = 0
+                conn.wire = b""
+                break
             conn.wire = conn.wire[sent:]
             if conn.wire:
                 break

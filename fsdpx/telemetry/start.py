@@ -45,4 +45,5 @@ def start_telemetry(
         optimizer=optimizer,
         param_dtype=cfg.precision.param_dtype,
         compiled=cfg.compile,
+        total_steps=cfg.telemetry.total_steps or cfg.scheduler.total_num_steps,
     )
