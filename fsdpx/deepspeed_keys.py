@@ -521,8 +521,7 @@ def _table() -> dict[str, KeyRule]:
         t[f"{block}.enabled"] = _mapped("true: telemetry.enabled = true")
         for key in keys:
             t[f"{block}.{key}"] = _ignored(
-                f"{block} output is produced from the telemetry log by `fsdpx-monitor "
-                "export`",
+                f"{block} output is produced from the telemetry log by `fsdpx-monitor export`",
                 MONITOR_OUT,
             )
     return t
