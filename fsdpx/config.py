@@ -449,10 +449,14 @@ class CheckpointConfig:
     """Snapshot to host memory and write from a background thread; training continues."""
     keep_last: int = 0
     """Keep this many newest checkpoints (never deleting the one `latest` names); 0: all."""
+    threads: int = 0
+    """Threads per rank that shuffle, compress and checksum while saving (the files are
+    byte-identical for any count); 0: min(4, CPU count)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.zstd_level <= 22, "checkpoint.zstd_level", self.zstd_level, "in [1, 22]")
         _check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "an integer >= 0")
+        _check(self.threads >= 0, "checkpoint.threads", self.threads, "an integer >= 0 (0: auto)")
 
 
 @dataclass(frozen=True)

@@ -292,7 +292,6 @@ class Engine:
         host memory; the next save, load_checkpoint or wait_for_checkpoint waits for it.
         Returns the checkpoint's path.
         """
-        self._check_checkpointable()
         return self._checkpointer.save(
             save_dir,
             model=self.module,
@@ -304,6 +303,7 @@ class Engine:
             layout={"zero_stage": self.config.zero.stage, "mesh": list(self.mesh.shape)},
             tag=tag,
             save_latest=save_latest,
+            **self._checkpoint_layout(),
         )
 
     @guarded
@@ -321,7 +321,6 @@ class Engine:
         fsdpx.checkpoint.CheckpointNotFoundError when there is nothing to load (DeepSpeed
         returns None), CheckpointCorruptError naming the damaged file, tensor and offset.
         """
-        self._check_checkpointable()
         result = self._checkpointer.load(
             load_dir,
             model=self.module,
@@ -332,20 +331,25 @@ class Engine:
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            partial=self._pipeline is not None,
         )
         for k in self._COUNTERS:
             if k in result.engine_state:
                 setattr(self, k, int(result.engine_state[k]))
         return result.path, result.client_state
 
-    def _check_checkpointable(self) -> None:
-        # Plain tensors (buffers, Adam's step) are written by global rank 0 only, which
-        # under pipeline parallelism holds one stage: the others' would be lost.
-        if self._pipeline is not None:
-            raise NotImplementedError(
-                "save_checkpoint/load_checkpoint under pipeline parallelism (mesh.pp > 1) "
-                "are not implemented yet; use engine.save_16bit_model to export the weights"
-            )
+    def _checkpoint_layout(self) -> dict[str, Any]:
+        # Under pipeline parallelism each rank holds its stages only: plain tensors
+        # (buffers, Adam's step) are written by the rank at coordinate 0 of every non-pp
+        # axis, one per stage, and rank 0 merges the stages' optimizer descriptions
+        # ([Note: pipeline checkpoints] in fsdpx/checkpoint/saving.py).
+        if self._pipeline is None:
+            return {}
+        coord = self.mesh.get_coordinate()
+        names = self.mesh.mesh_dim_names
+        assert coord is not None and names is not None
+        first = all(c == 0 for c, n in zip(coord, names, strict=True) if n != Axis.PP.value)
+        return {"plain_writer": first, "partial": True}
 
     @guarded
     def wait_for_checkpoint(self) -> Path | None:

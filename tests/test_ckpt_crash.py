@@ -11,6 +11,7 @@ Also: loading without `latest`, a corrupt newest checkpoint, and keep_last reten
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import random
 import re
@@ -97,12 +98,6 @@ def test_one_rank_failing_makes_every_rank_raise(tmp_path: Path) -> None:
     kind, message, offset = results[0]["load"]
     assert kind == "CheckpointCorruptError" and offset == 7
     assert re.search(r"injected on rank 1.*\(rank 1 of 2\)$", message), message
-    # Under pipeline parallelism: refused on every rank, before any collective.
-    for r in results:
-        for what in ("save_checkpoint", "load_checkpoint"):
-            assert re.search(
-                r"under pipeline parallelism \(mesh.pp > 1\) are not implemented", r[f"pp_{what}"]
-            )
 
 
 # --- single-process: errors and retention ------------------------------------------------
@@ -293,3 +288,29 @@ def test_mismatched_model_is_a_value_error(tmp_path: Path) -> None:
         ckpt.load(tmp_path, other)
     with pytest.raises(ValueError, match=r"missing from the checkpoint \['3.weight'\]"):
         ckpt.load(tmp_path, nn.Sequential(*model, nn.Linear(4, 4, bias=False)))
+
+
+def test_checkpoint_threads_option(tmp_path: Path) -> None:
+    from checkpoint_tools import load_state_dict
+    from fsdpx.checkpoint.saving import Checkpointer
+    from fsdpx.config import Config
+
+    with pytest.raises(
+        ValueError, match=r"'checkpoint.threads' must be an integer >= 0 \(0: auto\); got -1"
+    ):
+        Config.from_dict({"checkpoint": {"threads": -1}})
+    auto = Checkpointer.from_config(Config.from_dict({}))
+    assert auto.options.threads == min(4, os.cpu_count() or 1)
+    three = Checkpointer.from_config(Config.from_dict({"checkpoint": {"threads": 3}}))
+    assert three.options.threads == 3
+    # Parallel encoding stores the same tensors (the format tests check identical bytes).
+    model, opt = _trained(0)
+    states = [
+        load_state_dict(
+            ckpt.save(tmp_path, model, opt, tag=f"t{n}", options=ckpt.SaveOptions(threads=n)),
+            include_optimizer=True,
+        )
+        for n in (1, 3)
+    ]
+    assert states[0].keys() == states[1].keys() and len(states[0]) == 16
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

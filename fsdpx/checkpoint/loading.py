@@ -4,6 +4,10 @@ so a checkpoint loads onto another world size, ZeRO stage or mesh.
 Each rank works alone (no collective while reading), then all ranks vote once: if any
 rank failed, every rank raises the same error (type and message of the lowest failing
 rank), so no rank is left waiting in a collective while another has raised.
+
+Under pipeline parallelism (`partial=True`) each rank reads only the tensors its stages
+hold; the vote then checks that the ranks together hold every model tensor of the
+checkpoint (see [Note: pipeline checkpoints] in saving.py).
 """
 
 from __future__ import annotations
@@ -117,10 +121,15 @@ def older_that_verifies(path: Path) -> str:
 class _Loader:
     """One rank's part of a load; `touched` says whether live state was overwritten."""
 
-    def __init__(self, reader: CheckpointReader, path: Path) -> None:
+    def __init__(self, reader: CheckpointReader, path: Path, partial: bool = False) -> None:
         self.reader = reader
         self.path = path
+        self.partial = partial
         self.touched = False
+        self.held: list[str] = []
+        """The model tensors (state-dict keys) this rank loaded."""
+        self.saved_model: set[str] = set()
+        """The checkpoint's model tensors (state-dict keys)."""
 
     def read_into(self, name: str, target: torch.Tensor) -> None:
         shape, offsets = rectangle(target)
@@ -144,6 +153,10 @@ class _Loader:
         tensors = model_tensors(model)
         saved = {n[len(MODEL_PREFIX) :] for n in self.reader.names() if n.startswith(MODEL_PREFIX)}
         missing, unexpected = sorted(set(tensors) - saved), sorted(saved - set(tensors))
+        self.held, self.saved_model = sorted(tensors), saved
+        if self.partial:
+            # Other ranks hold the rest (pipeline stages): checked in load()'s vote.
+            unexpected = []
         if missing or unexpected:
             raise ValueError(
                 f"the model does not match checkpoint {str(self.path)!r}: missing from the "
@@ -164,7 +177,14 @@ class _Loader:
             )
         names = param_names(model)
         current = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
-        if current != [g["params"] for g in saved["param_groups"]]:
+        # State is matched by parameter name, so only group membership matters (the
+        # order of a pipeline-merged group depends on the stage layout); a rank holding
+        # part of the model (partial) holds part of each group.
+        fits = len(current) == len(saved["param_groups"]) and all(
+            set(c) <= set(g["params"]) if self.partial else set(c) == set(g["params"])
+            for c, g in zip(current, saved["param_groups"], strict=False)
+        )
+        if not fits:
             raise ValueError(
                 f"the optimizer's param groups ({[len(g) for g in current]} parameters) do "
                 f"not match checkpoint {str(self.path)!r}'s "
@@ -293,6 +313,7 @@ def load(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
     group: dist.ProcessGroup | None = None,
+    partial: bool = False,
 ) -> LoadResult:
     """Load a checkpoint written by fsdpx.checkpoint.save (any world size or layout).
 
@@ -305,6 +326,8 @@ def load(
         load_module_only: only the model's tensors (no optimizer, scheduler, scaler,
             counters or RNG states).
         group: the process group to agree over (CPU tensors; None: the default group).
+        partial: each rank holds part of the model (pipeline stages) and reads only that;
+            the ranks together must hold every model tensor of the checkpoint.
     Returns:
         LoadResult(path, client_state, engine_state).
     Raises:
@@ -328,7 +351,7 @@ def load(
     try:
         path = resolve(directory, tag)
         with CheckpointReader(path) as reader:
-            loader = _Loader(reader, path)
+            loader = _Loader(reader, path, partial)
             result, rng = _apply(
                 loader,
                 model,
@@ -353,6 +376,8 @@ def load(
             )
         attrs = {k: v for k, v in vars(exc).items() if v is None or isinstance(v, str | int)}
         report = {"ok": False, "type": type(exc).__name__, "message": message, "attrs": attrs}
+    if partial and report["ok"] and loader is not None:
+        report["held"] = loader.held
     reports = commit.all_gather_obj(report, group)
     failed = [(r, rep) for r, rep in enumerate(reports) if not rep["ok"]]
     if failed:
@@ -360,7 +385,18 @@ def load(
         if size > 1:
             rep = {**rep, "message": f"{rep['message']} (rank {r} of {size})"}
         raise _rebuild(rep, r) from error
-    assert result is not None
+    assert result is not None and loader is not None
+    if partial:
+        # The same on every rank: each computes it from the same reports.
+        absent = sorted(loader.saved_model - {k for rep in reports for k in rep["held"]})
+        if absent:
+            raise ValueError(
+                f"the model does not match checkpoint {str(loader.path)!r}: no rank holds "
+                f"{absent[:5]}{'...' if len(absent) > 5 else ''} (the pipeline stages "
+                "together must hold every model tensor of the checkpoint); load into the "
+                "same model architecture. The model/optimizer state is partly overwritten: "
+                "load another checkpoint before training on."
+            )
     if rng is not None:
         # Last, after every collective: nothing may draw from the restored generators.
         set_rng_state(rng)

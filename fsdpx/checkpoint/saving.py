@@ -4,11 +4,24 @@ in fsdpx/checkpoint/commit.py), optionally in the background.
 Two entry points: `save(...)`, a synchronous function for people with their own loop,
 and `Checkpointer`, which the engine holds (asynchronous saves, retention, its own
 process group so background collectives never interleave with training's).
+
+[Note: pipeline checkpoints] Under pipeline parallelism each rank holds only its stages'
+parameters (under the full model's names) and its optimizer covers only those. Saving
+is then `partial`: DTensor pieces are written as always (one writer per replicated
+piece of each stage's mesh), plain tensors (buffers, Adam's `step`) by one rank per stage
+(`plain_writer`: coordinate 0 on every non-pp mesh axis; a buffer present on several
+stages is written by each, and the format allows such overlapping, equal pieces), and
+rank 0 merges every rank's optimizer description into the MANIFEST. Loading with
+`partial=True` reads only the names this rank holds and checks, in the vote, that the
+ranks together hold every model tensor of the checkpoint. The result is an ordinary
+checkpoint: it loads without pipeline parallelism, at any world size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +36,14 @@ from fsdpx.checkpoint import commit
 from fsdpx.checkpoint.async_save import BackgroundWriter
 from fsdpx.checkpoint.format import CheckpointError, RankWriter, write_manifest
 from fsdpx.checkpoint.loading import LoadResult, load
-from fsdpx.checkpoint.state import Piece, collect_pieces, rng_state, snapshot, to_plain
+from fsdpx.checkpoint.state import (
+    Piece,
+    collect_pieces,
+    merge_optimizer_meta,
+    rng_state,
+    snapshot,
+    to_plain,
+)
 from fsdpx.config import Config
 from fsdpx.distributed import failure_guard
 
@@ -41,6 +61,9 @@ class SaveOptions:
     `latest` names or the one just written."""
     save_latest: bool = True
     """Point `<root>/latest` at the new checkpoint (DeepSpeed's save_latest)."""
+    threads: int = 1
+    """Threads that shuffle, compress and checksum chunks in parallel; the files are
+    byte-identical for any count."""
 
 
 @dataclass
@@ -52,6 +75,8 @@ class _Plan:
     pieces: list[Piece] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
     rng: dict[str, Any] = field(default_factory=dict)
+    partial: bool = False
+    """This rank holds part of the model ([Note: pipeline checkpoints])."""
 
 
 def _plan(
@@ -66,6 +91,8 @@ def _plan(
     layout: dict[str, Any] | None,
     tag: str | None,
     rank: int,
+    plain_writer: bool | None = None,
+    partial: bool = False,
 ) -> _Plan:
     if tag is None:
         if engine_state is None or "global_steps" not in engine_state:
@@ -77,7 +104,7 @@ def _plan(
     commit.check_tag(tag)
     if client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"client_state must be a dict; got {type(client_state).__name__}")
-    pieces, optim_meta = collect_pieces(model, optimizer, rank)
+    pieces, optim_meta = collect_pieces(model, optimizer, rank, plain_writer)
     state = {
         "version": STATE_VERSION,
         "tag": tag,
@@ -95,7 +122,7 @@ def _plan(
         "client_state": to_plain(client_state or {}, "client_state"),
         "layout": to_plain(layout or {}, "layout"),
     }
-    return _Plan(Path(directory), tag, pieces, state, rng_state())
+    return _Plan(Path(directory), tag, pieces, state, rng_state(), partial)
 
 
 def _describe(exc: BaseException) -> str:
@@ -104,7 +131,9 @@ def _describe(exc: BaseException) -> str:
 
 def _write_rank_file(plan: _Plan, temp: Path, rank: int, options: SaveOptions) -> dict[str, Any]:
     temp.mkdir(parents=True, exist_ok=True)
-    writer = RankWriter(temp, rank, compression=options.compression, level=options.level)
+    writer = RankWriter(
+        temp, rank, compression=options.compression, level=options.level, threads=options.threads
+    )
     try:
         for p in plan.pieces:
             # One tensor at a time in host memory (a no-op for CPU tensors and snapshots).
@@ -135,8 +164,10 @@ def _write_and_commit(
         except Exception as exc:
             error = exc
     rng = plan.rng if isinstance(plan, _Plan) else {}
+    # Partial (pipeline) saves: rank 0 needs every rank's optimizer description.
+    optim = plan.state["optimizer"] if isinstance(plan, _Plan) and plan.partial else None
     vote = {"ok": error is None, "error": None if error is None else _describe(error)}
-    reports = commit.all_gather_obj({**vote, "info": info, "rng": rng}, group)
+    reports = commit.all_gather_obj({**vote, "info": info, "rng": rng, "optim": optim}, group)
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
     if failed:
         if rank == 0 and temp is not None:
@@ -153,6 +184,8 @@ def _write_and_commit(
     if rank == 0:
         try:
             state = {**plan.state, "rng": [rep["rng"] for rep in reports]}
+            if plan.partial:
+                state["optimizer"] = merge_optimizer_meta([rep["optim"] for rep in reports])
             write_manifest(
                 temp, world_size=size, rank_files=[rep["info"] for rep in reports], state=state
             )
@@ -200,6 +233,8 @@ def save(
     client_state: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
     group: dist.ProcessGroup | None = None,
+    plain_writer: bool | None = None,
+    partial: bool = False,
 ) -> Path:
     """Save a (sharded or plain) model and its training state as `<directory>/<tag>`.
 
@@ -218,6 +253,10 @@ def save(
             rank 0's is saved.
         options: compression, retention, whether to update `latest`.
         group: the process group to agree over (CPU tensors; None: the default group).
+        plain_writer: whether this rank writes plain (non-DTensor) tensors; None: rank 0
+            of `group`. Under pipeline parallelism: one rank per stage.
+        partial: each rank holds only part of the model (pipeline stages); rank 0 then
+            merges the ranks' optimizer descriptions ([Note: pipeline checkpoints]).
     Returns:
         The committed checkpoint's path, on every rank.
 
@@ -238,6 +277,8 @@ def save(
             layout=None,
             tag=tag,
             rank=rank,
+            plain_writer=plain_writer,
+            partial=partial,
         )
     except Exception as exc:
         plan = exc
@@ -277,7 +318,8 @@ class Checkpointer:
     def from_config(cls, cfg: Config) -> Checkpointer:
         """The checkpointer for `cfg.checkpoint`, with `cfg.timeout_s` on its collectives."""
         c = cfg.checkpoint
-        options = SaveOptions(c.compression, c.zstd_level, c.keep_last)
+        threads = c.threads or min(4, os.cpu_count() or 1)
+        options = SaveOptions(c.compression, c.zstd_level, c.keep_last, threads=threads)
         return cls(options, async_save=c.async_save, timeout_s=cfg.timeout_s)
 
     def group(self) -> dist.ProcessGroup | None:
@@ -303,15 +345,15 @@ class Checkpointer:
         layout: dict[str, Any] | None = None,
         tag: str | None = None,
         save_latest: bool = True,
+        plain_writer: bool | None = None,
+        partial: bool = False,
     ) -> Path:
         """Like `save()`. With async_save, returns once the state is copied to host memory;
         the checkpoint appears at the returned path when the background write commits."""
         self.wait()
         group = self.group()
         rank, _ = commit.world(group)
-        options = SaveOptions(
-            self.options.compression, self.options.level, self.options.keep_last, save_latest
-        )
+        options = dataclasses.replace(self.options, save_latest=save_latest)
         try:
             plan = _plan(
                 directory,
@@ -324,6 +366,8 @@ class Checkpointer:
                 layout=layout,
                 tag=tag,
                 rank=rank,
+                plain_writer=plain_writer,
+                partial=partial,
             )
         except Exception as exc:
             # Vote in the foreground so every rank fails now, not at the next wait.

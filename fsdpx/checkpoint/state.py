@@ -6,7 +6,9 @@ global tensor (`global_shape`, `offsets`, local shape). A DTensor's rectangle co
 placements (`compute_local_shape_and_global_offset`, the same chunking FSDP2 uses, so odd
 sizes and empty shards come out right); a plain tensor is one piece covering all of it.
 Replicas are written once: a rank writes a piece only when its coordinate is 0 on every
-mesh axis that replicates the tensor (rank 0 for plain tensors). Loading is the mirror
+mesh axis that replicates the tensor; a plain tensor by rank 0, or under pipeline
+parallelism by one rank per stage (`plain_writer`, see [Note: pipeline checkpoints] in
+saving.py: overlapping pieces are allowed and hold equal values). Loading is the mirror
 image: each rank computes the rectangle of each of *its* tensors under the *new* layout
 and reads exactly that, so world size, ZeRO stage and mesh may all change in between.
 
@@ -99,10 +101,11 @@ def rectangle(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(t.shape), (0,) * t.dim()
 
 
-def writes_piece(t: torch.Tensor, rank: int) -> bool:
-    """Whether this rank writes its piece of `t` (one writer per replicated piece)."""
+def writes_piece(t: torch.Tensor, rank: int, plain_writer: bool | None = None) -> bool:
+    """Whether this rank writes its piece of `t` (one writer per replicated piece).
+    plain_writer decides for plain tensors (None: rank 0 writes them)."""
     if not isinstance(t, DTensor):
-        return rank == 0
+        return rank == 0 if plain_writer is None else plain_writer
     coord = t.device_mesh.get_coordinate()
     if coord is None:
         return False
@@ -113,8 +116,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
-def _piece(name: str, t: torch.Tensor, rank: int) -> Piece | None:
-    if not writes_piece(t, rank):
+def _piece(name: str, t: torch.Tensor, rank: int, plain_writer: bool | None) -> Piece | None:
+    if not writes_piece(t, rank, plain_writer):
         return None
     shape, offsets = rectangle(t)
     local = local_tensor(t)
@@ -152,9 +155,17 @@ def _group_params(
 
 
 def collect_pieces(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    rank: int,
+    plain_writer: bool | None = None,
 ) -> tuple[list[Piece], dict[str, Any] | None]:
     """The pieces this rank writes, and the optimizer's non-tensor state (msgpack-able).
+
+    Args:
+        model, optimizer: what to save (optimizer may be None).
+        rank: this rank in the checkpoint's process group.
+        plain_writer: whether this rank writes plain (non-DTensor) tensors; None: rank 0.
 
     Returns:
         (pieces, optimizer_meta) where optimizer_meta is None without an optimizer, else
@@ -163,7 +174,7 @@ def collect_pieces(
     """
     pieces = []
     for key, t in model_tensors(model).items():
-        piece = _piece(MODEL_PREFIX + key, t, rank)
+        piece = _piece(MODEL_PREFIX + key, t, rank, plain_writer)
         if piece is not None:
             pieces.append(piece)
     if optimizer is None:
@@ -180,13 +191,50 @@ def collect_pieces(
         for k, v in optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 tensor_keys.setdefault(fqn, []).append(k)
-                piece = _piece(optim_name(fqn, k), v, rank)
+                piece = _piece(optim_name(fqn, k), v, rank, plain_writer)
                 if piece is not None:
                     pieces.append(piece)
             else:
                 extra.setdefault(fqn, {})[k] = v
     meta = {"param_groups": groups, "tensor_keys": tensor_keys, "extra": extra}
     return pieces, to_plain(meta, "optimizer state")
+
+
+def merge_optimizer_meta(metas: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One optimizer description from the ranks' collect_pieces metadata, for a model
+    whose ranks hold different parameters (pipeline stages).
+
+    Each param group keeps the first rank's hyperparameters (every stage builds its
+    optimizer from the same config) and lists every rank's parameters once, in rank
+    order; tensor_keys and extra are the union over ranks.
+
+    Example::
+
+        merge_optimizer_meta([stage0_meta, stage1_meta])["param_groups"][0]["params"]
+        # ["wte.weight", "blocks.0.attn.weight", ..., "lm_head.weight"]
+    """
+    present = [m for m in metas if m is not None]
+    if not present:
+        return None
+    groups = [{**g, "params": []} for g in present[0]["param_groups"]]
+    seen: set[str] = set()
+    tensor_keys: dict[str, list[str]] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    for meta in present:
+        if len(meta["param_groups"]) != len(groups):
+            raise ValueError(
+                f"the ranks' optimizers have different numbers of param groups "
+                f"({len(groups)} and {len(meta['param_groups'])}); build every stage's "
+                "optimizer with the same param groups"
+            )
+        for merged, group in zip(groups, meta["param_groups"], strict=True):
+            for fqn in group["params"]:
+                if fqn not in seen:
+                    seen.add(fqn)
+                    merged["params"].append(fqn)
+        tensor_keys.update(meta["tensor_keys"])
+        extra.update(meta["extra"])
+    return {"param_groups": groups, "tensor_keys": tensor_keys, "extra": extra}
 
 
 def snapshot(pieces: list[Piece], staging: dict[str, torch.Tensor] | None = None) -> list[Piece]:
