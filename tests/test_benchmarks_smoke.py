@@ -1,8 +1,10 @@
-"""benchmarks/step_overhead.py runs end to end on 2 gloo ranks with the smallest settings.
+"""The benchmarks run end to end with their smallest settings, so they cannot rot unseen.
 
-A smoke test only: it checks that the script exits 0 and prints its ratio and memory
-lines for every stage. Timings are never asserted (DESIGN.md section 7: benchmarks are
-scripts, not timed tests).
+Smoke tests only: each checks that a script exits 0 and prints its ratio line(s).
+Timings are never asserted (DESIGN.md section 7: benchmarks are scripts, not timed
+tests). benchmarks/telemetry.py and benchmarks/monitor_cpu.py have theirs in
+test_telemetry_benchmark.py and test_monitor_bench.py. parallel3d.py needs 4 ranks
+(~30 s on 2 cores): marked slow.
 """
 
 from __future__ import annotations
@@ -12,7 +14,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+NUM = r"\d+\.\d+"  # a printed ratio, e.g. 0.838
+
+
+def _run(args: list[str], ranks: int = 0) -> str:
+    """Run a benchmark (under torchrun with `ranks` > 0); its stdout, after exit 0."""
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    cmd = [sys.executable, *(launch if ranks else []), str(ROOT / "benchmarks" / args[0])]
+    proc = subprocess.run(cmd + args[1:], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _line(pattern: str, out: str) -> str:
+    found = re.search(rf"^{pattern}$", out, re.MULTILINE)
+    assert found, f"no line matching {pattern!r} in:\n{out}"
+    return found.group(0)
 
 
 def test_step_overhead_script_runs() -> None:
@@ -42,3 +62,57 @@ def test_step_overhead_script_runs() -> None:
         assert re.search(rf"stage{stage}=[+-]\d+\.\d+%", memory.group(0)), memory.group(0)
     # Both sides ran the same model on the same data: identical losses (printed, not timed).
     assert re.search(r"max\|dloss\|", out), out
+
+
+def test_checkpoint_script_runs(tmp_path: Path) -> None:
+    out = _run(["checkpoint.py", "--params-m", "1", "--layers", "2", "--dir", str(tmp_path)], 2)
+    _line(rf"ratio fsdpx/DCP: bytes={NUM} .*save_time={NUM} .*load_time={NUM}", out)
+    _line(rf"ratio fsdpx/torch\.save: bytes={NUM} save_time={NUM}", out)
+    _line(rf"ratio async blocking/sync save: first={NUM} next={NUM} .*", out)
+
+
+def test_checkpoint_consolidate_script_runs(tmp_path: Path) -> None:
+    out = _run(["checkpoint_consolidate.py", "--params", "2e5", "--workdir", str(tmp_path)])
+    # The script compares all three outputs with the source tensors before printing this.
+    _line("outputs: all three equal the source tensors bitwise", out)
+    for side in ("safetensors", "torch\\.save"):
+        _line(
+            rf"fsdpx -> {side} / DCP: time {NUM}x, CPU {NUM}x, peak RSS {NUM}x, "
+            rf"added RSS {NUM}x",
+            out,
+        )
+
+
+def test_ops_script_runs() -> None:
+    out = _run(["ops.py", "--sizes", "1e5", "--threads", "1", "--iters", "1", "--skip-build"])
+    _line(
+        rf"ratio step: anchor/fsdpx = {NUM}x \(goal >= 1\.0\); "
+        rf"step\+bf16: fsdpx/\(anchor step, then copy\) = {NUM}x \(goal <= 0\.85\)",
+        out,
+    )
+
+
+def test_ops_aio_script_runs(tmp_path: Path) -> None:
+    args = ["--dir", str(tmp_path), "--size-mb", "8", "--chunk-mb", "1", "--repeats", "1"]
+    out = _run(["ops_aio.py", *args, "--quant-mb", "1"])
+    for label in (
+        "write \\+ fdatasync \\(O_DIRECT\\)",
+        "read, O_DIRECT both",
+        "read, page cache both",
+    ):
+        _line(rf"{label}\s+{NUM}\s+{NUM}\s+{NUM}", out)  # aio, dd, aio/dd
+    for op in ("quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8"):
+        _line(rf"{op}\s+{NUM}\s+{NUM}\s+{NUM}", out)  # native, reference, ratio
+
+
+@pytest.mark.slow
+def test_parallel3d_script_runs() -> None:
+    out = _run(["parallel3d.py", "--steps", "1", "--warmup", "1", "--tiny"], 4)
+    layouts = ("fsdp_dp4", "dp2_tp2", "dp2_tp2_sp", "dp2_pp2_1f1b", "dp2_pp2_zbv")
+    losses = []
+    for name in (*layouts, "tp2_pp2_1f1b", "pp4_1f1b"):
+        # name, step s, x fsdp, params/grads/optim MiB, states x fsdp, peak RSS, loss
+        row = _line(rf"{name}\s+{NUM}\s+{NUM}(\s+{NUM}){{4}}\s+\d+\s+{NUM}", out)
+        losses.append(float(row.split()[-1]))
+    # Same GPT, seed and batches in every layout: the same loss (printed to 4 places).
+    assert max(losses) - min(losses) <= 2e-3, losses

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,8 @@ def test_relay_survives_10000_bad_inputs(tmp_path: Path) -> None:
                 s.sendall(data)
         must_count = sum(kind == "bad" for kind, _ in payloads)
         deadline = time.monotonic() + 60
+        # Exact, not a sleep: a connection leaves _conns only after every frame read
+        # from it was handled (test_frames_of_a_peer_that_left_are_taken_in pins that).
         while relay.stats.accepted < len(payloads) or relay._conns:
             assert time.monotonic() < deadline, relay.stats
             time.sleep(0.05)
@@ -244,3 +247,66 @@ def test_relay_survives_10000_bad_inputs(tmp_path: Path) -> None:
     finally:
         relay.stop()
     assert relay._thread is not None and not relay._thread.is_alive()
+
+
+def test_frames_of_a_peer_that_left_are_taken_in(tmp_path: Path) -> None:
+    # A rank sends its hello and a records frame and is gone before the relay serves:
+    # the relay's challenge and welcome then fail (EPIPE), but the frame it had sent
+    # must still be taken in, and before the connection counts as closed (its
+    # "disconnected" event comes after its records). Deterministic: the relay thread
+    # starts only after the peer closed.
+    relay = Relay(str(tmp_path / "r.sock"), log_path=tmp_path / "r.tlm")
+    address = relay.bind()
+    assert address.path is not None
+    hello, _ = make_hello(make_challenge(auth_required=False), role="rank", secret=None, rank=5)
+    records = {"type": "records", "records": [{"rank": 5, "host": "h", "step": 7}]}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(address.path)
+        s.sendall(encode_frame(hello) + encode_frame(records))
+    relay.start_thread()
+    try:
+        deadline = time.monotonic() + 10
+        while relay.stats.accepted < 1 or relay._conns:
+            assert time.monotonic() < deadline, relay.stats
+            time.sleep(0.01)
+        assert relay.stats.frames_in == relay.stats.records_in == 1
+        assert relay.stats.bad_connections == 0
+        assert relay._monitors == {}
+    finally:
+        relay.stop()
+    kinds = [m["type"] for m in iter_log(tmp_path / "r.tlm")]
+    assert kinds[-3:] == ["hello", "records", "events"], kinds
+
+
+def test_stop_takes_in_what_already_arrived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rank's last frames are in the relay's socket buffer when stop() comes (a job
+    # stopping its relay right after the ranks' exit events): they must reach the log.
+    # Deterministic: the loop is held between two select()s while the frame arrives.
+    relay = Relay(str(tmp_path / "r.sock"), log_path=tmp_path / "r.tlm")
+    address = relay.bind()
+    relay.start_thread()
+    rank = connect(address, role="rank", secret=None, timeout_s=5, rank=2, host="h", pid=1)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(10)
+
+    monkeypatch.setattr(relay, "_expire_handshakes", hold)
+    assert entered.wait(10)
+    rank.send({"type": "records", "records": [{"rank": 2, "host": "h", "step": 9}]})
+    rank.close()
+    relay.stop(timeout_s=0)  # sets the flag; the held loop sees it on its next check
+    release.set()
+    assert relay._thread is not None
+    relay._thread.join(10)
+    assert not relay._thread.is_alive()
+    steps = [
+        r["step"]
+        for m in iter_log(tmp_path / "r.tlm")
+        if m["type"] == "records"
+        for r in m["records"]
+    ]
+    assert steps == [9]

@@ -67,6 +67,7 @@ from fsdpx.telemetry.transport import (
 
 HANDSHAKE_TIMEOUT_S = 10.0
 _RECV_BYTES = 1 << 18
+_DRAIN_READS = 64  # at most 16 MiB per connection taken in by stop()
 
 
 @dataclass
@@ -243,7 +244,8 @@ class Relay:
         return False
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop, close every connection and the log (idempotent)."""
+        """Stop the loop, take in what peers already sent, close every connection and
+        the log (idempotent)."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -280,8 +282,19 @@ class Relay:
                 if self._log is not None:
                     self._log.flush_if_due()
                 self.stats.cpu_s = time.thread_time()
+            self._drain()
         finally:
             self._shutdown()
+
+    def _drain(self) -> None:
+        """Take in what peers sent before stop(): a rank's last frames (its exit event,
+        sent just before the job or a test stops the relay) sit in the socket buffers
+        and would be lost by closing at once. Bounded, so a peer that keeps sending
+        cannot hold stop() up."""
+        for conn in list(self._conns.values()):
+            for _ in range(_DRAIN_READS):
+                if not self._read(conn):
+                    break
 
     def _shutdown(self) -> None:
         if self._shut:
@@ -323,24 +336,29 @@ class Relay:
             self.stats.accepted += 1
             self._queue(conn, encode_frame(conn.challenge)[HEADER.size :], keep=True)
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: _Conn) -> bool:
+        """One recv and the frames it completes; True when data came and the
+        connection is still open (more may be waiting)."""
         try:
             data = conn.sock.recv(_RECV_BYTES)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             data = b""
         if not data:
             self._close(conn)
-            return
+            return False
         try:
             conn.decoder.push(data)
             while (message := conn.decoder.next_message()) is not None:
                 self._handle(conn, message)
         except ProtocolError as exc:
             self._reject(conn, exc)
+            return False
         except Exception as exc:  # whatever a peer sends must never stop the relay
             self._reject(conn, ProtocolError(f"{type(exc).__name__}: {exc}"))
+            return False
+        return True
 
     def _handle(self, conn: _Conn, message: dict[str, Any]) -> None:
         if conn.role is None:
