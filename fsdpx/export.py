@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
-import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -35,42 +32,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# One safetensors writer: the offline checkpoint tools own it (they must not import the
+# runtime); the runtime export reuses its naming, sharding plan, header and index.
+from checkpoint_tools.safetensors_out import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    ST_DTYPES,
+    Entry,
+    header,
+    plan_files,
+    remove_stale,
+    write_index,
+)
+
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "save_full_model"]
 
 _CASTS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-
-# torch dtype -> safetensors dtype name (the names in the safetensors spec).
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-
-
-@dataclass(frozen=True)
-class _Entry:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
 
 
 def save_full_model(
@@ -121,7 +102,7 @@ def save_full_model(
     # DTensors and the keys are the unsharded module's keys, buffers included.
     state = module.state_dict()
     entries = [_entry(name, value, cast) for name, value in state.items()]
-    files = _plan_files(entries, max_shard_bytes)
+    files = plan_files(entries, max_shard_bytes)
     paths = [out / file_name for file_name, _ in files]
     if len(files) > 1:
         paths.append(out / INDEX_FILE)
@@ -140,7 +121,7 @@ def save_full_model(
             except Exception as exc:
                 error = exc
         for entry in group:
-            full = _gather(state[entry.name], cast)  # collective: every rank, same order
+            full = _gather(state[entry.key], cast)  # collective: every rank, same order
             if writer is not None:
                 try:
                     _write_tensor(writer, full)
@@ -154,12 +135,13 @@ def save_full_model(
                 error = exc
     if rank == 0 and error is None and len(files) > 1:
         try:
-            _write_index(out, files)
+            write_index(out, files)
+            _fsync_dir(out)
         except Exception as exc:
             error = exc
     if rank == 0 and error is None:
         try:
-            _remove_stale(out, {p.name for p in paths})
+            remove_stale(out, {p.name for p in paths})
         except Exception as exc:
             error = exc
     _agree_on_success(error, rank, state, distributed)
@@ -169,52 +151,19 @@ def save_full_model(
 # --- planning -------------------------------------------------------------------------
 
 
-def _entry(name: str, value: torch.Tensor, cast: torch.dtype | None) -> _Entry:
+def _entry(name: str, value: torch.Tensor, cast: torch.dtype | None) -> Entry:
     out_dtype = cast if cast is not None and value.is_floating_point() else value.dtype
-    if out_dtype not in _ST_DTYPES:
+    if out_dtype not in ST_DTYPES:
         raise ValueError(
             f"tensor {name!r} has dtype {out_dtype}, which safetensors cannot store; "
-            f"supported: {', '.join(str(d) for d in _ST_DTYPES)}"
+            f"supported: {', '.join(str(d) for d in ST_DTYPES)}"
         )
     shape = tuple(value.shape)  # a DTensor's shape is the global shape
     numel = 1
     for size in shape:
         numel *= size
     itemsize = torch.empty((), dtype=out_dtype).element_size()
-    return _Entry(name, shape, out_dtype, numel * itemsize)
-
-
-def _plan_files(entries: list[_Entry], max_bytes: int) -> list[tuple[str, list[_Entry]]]:
-    """Greedy split in state-dict order: start a new file when the next tensor would
-    push the current one past max_bytes (Hugging Face's rule)."""
-    groups: list[list[_Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if groups[-1] and size + e.nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(e)
-        size += e.nbytes
-    if len(groups) == 1:
-        return [(SINGLE_FILE, groups[0])]
-    n = len(groups)
-    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
-
-
-def _header(entries: list[_Entry]) -> bytes:
-    meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for e in entries:
-        meta[e.name] = {
-            "dtype": _ST_DTYPES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
-    text = json.dumps(meta, separators=(",", ":")).encode()
-    # The spec allows trailing spaces; padding to 8 keeps the data 8-byte aligned.
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
+    return Entry(name, shape, out_dtype, numel * itemsize)
 
 
 # --- gathering and writing ------------------------------------------------------------
@@ -228,10 +177,10 @@ def _gather(value: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
     return full
 
 
-def _open_writer(path: Path, entries: list[_Entry]) -> BinaryIO:
+def _open_writer(path: Path, entries: list[Entry]) -> BinaryIO:
     f = open(_tmp(path), "wb")  # noqa: SIM115 - closed by _commit or _abandon
     try:
-        f.write(_header(entries))
+        f.write(header(entries))
     except BaseException:
         _abandon(f)
         raise
@@ -261,28 +210,6 @@ def _abandon(f: BinaryIO) -> None:
     f.close()
     with contextlib.suppress(OSError):
         os.unlink(f.name)
-
-
-def _write_index(out: Path, files: list[tuple[str, list[_Entry]]]) -> None:
-    index = {
-        "metadata": {"total_size": sum(e.nbytes for _, g in files for e in g)},
-        "weight_map": {e.name: file_name for file_name, g in files for e in g},
-    }
-    path = out / INDEX_FILE
-    with open(_tmp(path), "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(_tmp(path), path)
-    _fsync_dir(out)
-
-
-def _remove_stale(out: Path, keep: set[str]) -> None:
-    for p in out.iterdir():
-        stale = p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(p.name)
-        if stale and p.name not in keep:
-            p.unlink(missing_ok=True)
 
 
 def _tmp(path: Path) -> Path:
