@@ -8,10 +8,9 @@ counts the bytes each category (sharded/unsharded parameters and gradients, opti
 state, activations, temporaries, collective buffers) would hold on rank 0.
 
 [Note: why not fsdpx.shard] fsdpx.shard builds its DeviceMesh itself, and DeviceMesh reads
-its rank layout with `tolist()`, which fails on a fake tensor. So the same parts shard()
-uses (ParallelDims, dims_for_stage, find_blocks, apply_activation_checkpointing,
-apply_zero, mp_policy) run here in the same order, with the mesh built
-before fake mode starts; tests/test_estimate.py checks that the model states measured here
+its rank layout with `tolist()`, which fails on a fake tensor. So the mesh is built here
+before fake mode starts, and the data-parallel part of shard()'s recipe runs through the
+same function shard() calls (fsdpx.shard.shard_data_parallel); tests/test_estimate.py checks that the model states measured here
 equal those of a real fsdpx.shard run.
 """
 
@@ -100,11 +99,10 @@ def measure_memory(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdpx.activation_checkpoint import apply_activation_checkpointing
     from fsdpx.blocks import find_blocks
     from fsdpx.parallel_dims import ParallelDims
-    from fsdpx.precision import mp_policy
-    from fsdpx.zero import apply_zero, dims_for_stage
+    from fsdpx.shard import shard_data_parallel
+    from fsdpx.zero import dims_for_stage
 
     cfg = cfg or Config()
     if dist.is_initialized():
@@ -128,14 +126,7 @@ def measure_memory(
     try:
         mesh = dims.build_mesh("cpu")  # outside fake mode: see [Note: why not fsdpx.shard]
         blocks = find_blocks(work, cfg.zero.block_classes)
-        apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
-        root = apply_zero(
-            work,
-            blocks,
-            mesh=ParallelDims.fsdp_mesh(mesh),
-            zero=cfg.zero,
-            mp_policy=mp_policy(cfg.precision),
-        )
+        root = shard_data_parallel(work, blocks, cfg, mesh, compile_blocks=False)
         # allow_non_fake_inputs: the meta parameters become fake CPU tensors in to_empty.
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             work.to_empty(device="cpu")

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fsdpx.activation_checkpoint import apply_activation_checkpointing
@@ -117,17 +118,7 @@ def shard(
         )
         sharded, pipeline = cast(FSDPModule, built.module), built.pipeline
     else:
-        apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
-        if cfg.compile:
-            for block in blocks:
-                block.compile()
-        sharded = apply_zero(
-            model,
-            blocks,
-            mesh=ParallelDims.fsdp_mesh(mesh),
-            zero=cfg.zero,
-            mp_policy=mp_policy(cfg.precision),
-        )
+        sharded = shard_data_parallel(model, blocks, cfg, mesh, compile_blocks=cfg.compile)
         if on_meta:
             materialize_(model, info.device, seed=cfg.seed, init_fn=init_fn)
 
@@ -146,4 +137,42 @@ def shard(
         loss_fn=loss_fn,
         pipeline=pipeline,
         telemetry=start_telemetry(cfg, info, model, opt),
+    )
+
+
+def shard_data_parallel(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cfg: Config,
+    mesh: DeviceMesh,
+    *,
+    compile_blocks: bool,
+) -> FSDPModule:
+    """The data-parallel part of the recipe: activation checkpointing, optional compile,
+    then ZeRO sharding per block and root. fsdpx.shard and the memory estimator's measured
+    mode (which must build its mesh before entering fake-tensor mode) both run it.
+
+    Args:
+        model: the model (any device, meta included); sharded in place.
+        blocks: its blocks, from find_blocks.
+        cfg: the run's config (activation_checkpointing, zero, precision).
+        mesh: the world mesh from ParallelDims.build_mesh.
+        compile_blocks: torch.compile each block before sharding.
+    Returns:
+        `model`, now an FSDPModule.
+
+    Example::
+
+        root = shard_data_parallel(model, find_blocks(model), cfg, mesh, compile_blocks=False)
+    """
+    apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
+    if compile_blocks:
+        for block in blocks:
+            block.compile()
+    return apply_zero(
+        model,
+        blocks,
+        mesh=ParallelDims.fsdp_mesh(mesh),
+        zero=cfg.zero,
+        mp_policy=mp_policy(cfg.precision),
     )
