@@ -29,6 +29,8 @@ from fsdpx.clip import clip_grad_norm_
 from fsdpx.config import Config
 from fsdpx.distributed import guarded
 from fsdpx.export import save_full_model
+from fsdpx.offload.cpu import OffloadedAdamW
+from fsdpx.offload.step import offloaded_step
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner
 from fsdpx.precision import LossScaler, grads_have_overflow, unscale_grads_
@@ -96,6 +98,8 @@ class Engine:
         self._checkpointer = Checkpointer.from_config(cfg)
         self._last_grad_norm: float | None = None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
+        # ZeRO-Offload (fsdpx/offload): its step takes the unscale/clip factor.
+        self._offloaded = optimizer if isinstance(optimizer, OffloadedAdamW) else None
 
     # --- forward / backward / step ----------------------------------------------------
 
@@ -130,6 +134,8 @@ class Engine:
                 self.config.zero,
                 is_boundary=self.is_gradient_accumulation_boundary(),
             )
+        if self._offloaded is not None:
+            self._offloaded.prepare_backward(self.is_gradient_accumulation_boundary())
         factor = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         with loss_context(self._loss_parallel):
             (loss * factor if factor != 1.0 else loss).backward()
@@ -147,20 +153,21 @@ class Engine:
         self.micro_steps += 1
         scale = self.loss_scaler.scale
         skipped = False
+        inv_scale = 1.0
         if self.loss_scaler.checks_overflow:
             # The overflow check is a world-wide all-reduce: every rank must skip together.
             overflow = grads_have_overflow(self._params)
             skipped = self.loss_scaler.update(overflow)
-            if not skipped and scale != 1.0:
-                unscale_grads_(self._params, 1.0 / scale)
+            inv_scale = 1.0 / scale
         self._last_grad_norm = None
         if not skipped:
-            if self.config.gradient_clipping > 0:
-                norm = clip_grad_norm_(
-                    self._params, self.config.gradient_clipping, pp_group=self._pp_group
+            if self._offloaded is not None:
+                # Unscaling and clipping are folded into the offloaded step's one pass.
+                self._last_grad_norm = offloaded_step(
+                    self._offloaded, self._params, inv_scale, self.config.gradient_clipping
                 )
-                self._last_grad_norm = float(norm)
-            self.optimizer.step()
+            else:
+                self._plain_optimizer_step(inv_scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
@@ -171,6 +178,16 @@ class Engine:
         if self.telemetry is not None:
             self.telemetry.on_step(self, result)  # queues a record; never blocks
         return result
+
+    def _plain_optimizer_step(self, inv_scale: float) -> None:
+        if inv_scale != 1.0:
+            unscale_grads_(self._params, inv_scale)
+        if self.config.gradient_clipping > 0:
+            norm = clip_grad_norm_(
+                self._params, self.config.gradient_clipping, pp_group=self._pp_group
+            )
+            self._last_grad_norm = float(norm)
+        self.optimizer.step()
 
     @guarded
     def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
@@ -358,3 +375,10 @@ class Engine:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
+
+    def close(self) -> None:
+        """Release what outlives training steps: offload swap files and gradient hooks
+        (also released when the engine is garbage collected or the interpreter exits)."""
+        if self._offloaded is not None:
+            self.wait_for_checkpoint()
+            self._offloaded.close()

@@ -22,6 +22,7 @@ from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
 from fsdpx.materialize import materialize_
+from fsdpx.offload import build_offload_optimizer, check_offload, offload_policy
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.pipeline_parallel import parallelize
@@ -84,13 +85,7 @@ def shard(
             "before fsdpx.shard wraps an optimizer the engine does not use: pass e.g. "
             "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)`"
         )
-    for name in ("offload_optimizer", "offload_param"):
-        device = getattr(cfg.zero, name).device
-        if device != "none":
-            raise NotImplementedError(
-                f"zero.{name}.device={device!r}: offload is not implemented yet; "
-                f"set zero.{name}.device to 'none'"
-            )
+    check_offload(cfg, optimizer)
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
     mesh = dims.build_mesh(info.device.type)
@@ -119,11 +114,18 @@ def shard(
         sharded, pipeline = cast(FSDPModule, built.module), built.pipeline
     else:
         sharded = shard_data_parallel(model, blocks, cfg, mesh, compile_blocks=cfg.compile)
-        if on_meta:
+        if on_meta and offload_policy(cfg) is not None:
+            # FSDP2 keeps offloaded shards on the host and refuses device ones: materialise
+            # on the host, then move only the buffers to the device.
+            materialize_(model, torch.device("cpu"), seed=cfg.seed, init_fn=init_fn)
+            move_buffers_(model, info.device)
+        elif on_meta:
             materialize_(model, info.device, seed=cfg.seed, init_fn=init_fn)
 
     params = [p for p in cast(nn.Module, sharded).parameters() if p.requires_grad]
-    opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
+    opt = build_offload_optimizer(params, model, cfg, info.rank)
+    if opt is None:
+        opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
     sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
     return Engine(
         module=sharded,
@@ -138,6 +140,14 @@ def shard(
         pipeline=pipeline,
         telemetry=start_telemetry(cfg, info, model, opt),
     )
+
+
+def move_buffers_(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer (not the parameters) of `model` to `device`, in place."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
 
 
 def shard_data_parallel(
@@ -175,4 +185,5 @@ def shard_data_parallel(
         mesh=ParallelDims.fsdp_mesh(mesh),
         zero=cfg.zero,
         mp_policy=mp_policy(cfg.precision),
+        offload_policy=offload_policy(cfg),
     )

@@ -569,11 +569,50 @@ def test_nvme_offload_needs_a_path() -> None:
         Config.from_dict({"zero": {"offload_optimizer": {"device": "nvme"}}})
 
 
-def test_offload_is_refused_until_implemented() -> None:
+@pytest.mark.parametrize(
+    ("zero", "extra", "optimizer", "message"),
+    [
+        (
+            {"offload_param": {"device": "nvme", "nvme_path": "/x"}},
+            {},
+            None,
+            r"zero.offload_param.device='nvme' is not supported: parameters offload to 'cpu' only",
+        ),
+        (
+            {"stage": 2, "offload_param": {"device": "cpu"}},
+            {},
+            None,
+            r"zero.offload_param needs zero.stage 3 \(as in DeepSpeed\), got stage 2",
+        ),
+        (
+            {"offload_optimizer": {"device": "cpu"}},
+            {},
+            lambda ps: None,
+            r"pass optimizer=None and set cfg.optimizer \(type 'adam' or 'adamw'\)",
+        ),
+        (
+            {"offload_optimizer": {"device": "cpu"}},
+            {"optimizer": {"type": "sgd"}},
+            None,
+            r"offload supports optimizer.type 'adam' and 'adamw' .* got 'sgd'",
+        ),
+        (
+            {"offload_optimizer": {"device": "cpu"}},
+            {"mesh": {"tp": 2}},
+            None,
+            r"supported with data parallelism only, got mesh.tp=2, mesh.pp=1",
+        ),
+    ],
+)
+def test_offload_settings_fsdpx_cannot_honour_are_refused_before_sharding(
+    zero: dict, extra: dict, optimizer: object, message: str
+) -> None:
     import torch
 
     import fsdpx
 
-    cfg = Config.from_dict({"zero": {"offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(NotImplementedError, match=r"zero.offload_optimizer.device='cpu'"):
-        fsdpx.shard(torch.nn.Linear(2, 2), cfg)
+    cfg = Config.from_dict({"zero": zero, **extra})
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=message):
+        fsdpx.shard(model, cfg, optimizer=optimizer)  # type: ignore[arg-type]
+    assert not hasattr(model, "_get_fsdp_state")  # nothing was sharded

@@ -36,10 +36,12 @@ from fsdpx.checkpoint.format import (
 from fsdpx.checkpoint.state import (
     local_tensor,
     model_tensors,
+    offload_view,
     param_names,
     rectangle,
     restore_param_groups,
     set_rng_state,
+    with_masters,
 )
 
 _REBUILDABLE: dict[str, type[Exception]] = {
@@ -149,8 +151,8 @@ class _Loader:
                 "here; load into the same model architecture"
             )
 
-    def model(self, model: nn.Module) -> None:
-        tensors = model_tensors(model)
+    def model(self, model: nn.Module, masters: dict[int, Any] | None = None) -> None:
+        tensors = with_masters(model, model_tensors(model), masters or {})
         saved = {n[len(MODEL_PREFIX) :] for n in self.reader.names() if n.startswith(MODEL_PREFIX)}
         missing, unexpected = sorted(set(tensors) - saved), sorted(saved - set(tensors))
         self.held, self.saved_model = sorted(tensors), saved
@@ -269,11 +271,12 @@ def _apply(
     load_module_only: bool,
     rank: int,
     size: int,
+    masters: dict[int, Any] | None = None,
 ) -> tuple[LoadResult, dict[str, Any] | None]:
     """This rank's whole load, without collectives; returns the result and the RNG state
     to restore once every rank succeeded."""
     path, state = loader.path, loader.reader.state
-    loader.model(model)
+    loader.model(model, masters)
     client_state = dict(state.get("client_state") or {})
     if load_module_only:
         return LoadResult(path, client_state, {}), None
@@ -350,7 +353,9 @@ def load(
     error: Exception | None = None
     try:
         path = resolve(directory, tag)
-        with CheckpointReader(path) as reader:
+        # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
+        # state straight into its swap file); after_load then updates the device copies.
+        with CheckpointReader(path) as reader, offload_view(optimizer) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
                 loader,
@@ -363,7 +368,11 @@ def load(
                 load_module_only=load_module_only,
                 rank=rank,
                 size=size,
+                masters=masters,
             )
+        after_load = getattr(optimizer, "after_load", None)
+        if after_load is not None:
+            after_load()
     except Exception as exc:
         error = exc
         message = str(exc)

@@ -40,6 +40,7 @@ from fsdpx.checkpoint.state import (
     Piece,
     collect_pieces,
     merge_optimizer_meta,
+    offload_view,
     rng_state,
     snapshot,
     to_plain,
@@ -93,6 +94,7 @@ def _plan(
     rank: int,
     plain_writer: bool | None = None,
     partial: bool = False,
+    masters: dict[int, Any] | None = None,
 ) -> _Plan:
     if tag is None:
         if engine_state is None or "global_steps" not in engine_state:
@@ -104,7 +106,7 @@ def _plan(
     commit.check_tag(tag)
     if client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"client_state must be a dict; got {type(client_state).__name__}")
-    pieces, optim_meta = collect_pieces(model, optimizer, rank, plain_writer)
+    pieces, optim_meta = collect_pieces(model, optimizer, rank, plain_writer, masters)
     state = {
         "version": STATE_VERSION,
         "tag": tag,
@@ -265,24 +267,26 @@ def save(
         fsdpx.checkpoint.save("ckpts", model, opt, tag="step100", client_state={"epoch": 2})
     """
     rank, _ = commit.world(group)
-    try:
-        plan: _Plan | BaseException = _plan(
-            directory,
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            loss_scaler=loss_scaler,
-            engine_state=engine_state,
-            client_state=client_state,
-            layout=None,
-            tag=tag,
-            rank=rank,
-            plain_writer=plain_writer,
-            partial=partial,
-        )
-    except Exception as exc:
-        plan = exc
-    return _write_and_commit(plan, options or SaveOptions(), group)
+    with offload_view(optimizer) as masters:
+        try:
+            plan: _Plan | BaseException = _plan(
+                directory,
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                loss_scaler=loss_scaler,
+                engine_state=engine_state,
+                client_state=client_state,
+                layout=None,
+                tag=tag,
+                rank=rank,
+                plain_writer=plain_writer,
+                partial=partial,
+                masters=masters,
+            )
+        except Exception as exc:
+            plan = exc
+        return _write_and_commit(plan, options or SaveOptions(), group)
 
 
 class Checkpointer:
@@ -354,27 +358,31 @@ class Checkpointer:
         group = self.group()
         rank, _ = commit.world(group)
         options = dataclasses.replace(self.options, save_latest=save_latest)
-        try:
-            plan = _plan(
-                directory,
-                model=model,
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-                loss_scaler=loss_scaler,
-                engine_state=engine_state,
-                client_state=client_state,
-                layout=layout,
-                tag=tag,
-                rank=rank,
-                plain_writer=plain_writer,
-                partial=partial,
-            )
-        except Exception as exc:
-            # Vote in the foreground so every rank fails now, not at the next wait.
-            return _write_and_commit(exc, options, group)
-        if not self.async_save:
-            return _write_and_commit(plan, options, group)
-        plan.pieces = snapshot(plan.pieces, self._staging)
+        # An offloaded optimizer's state is readable only inside its view (NVMe: mapped
+        # from the swap file), so the pieces are written or snapshotted before it closes.
+        with offload_view(optimizer) as masters:
+            try:
+                plan = _plan(
+                    directory,
+                    model=model,
+                    optimizer=optimizer,
+                    lr_scheduler=lr_scheduler,
+                    loss_scaler=loss_scaler,
+                    engine_state=engine_state,
+                    client_state=client_state,
+                    layout=layout,
+                    tag=tag,
+                    rank=rank,
+                    plain_writer=plain_writer,
+                    partial=partial,
+                    masters=masters,
+                )
+            except Exception as exc:
+                # Vote in the foreground so every rank fails now, not at the next wait.
+                return _write_and_commit(exc, options, group)
+            if not self.async_save:
+                return _write_and_commit(plan, options, group)
+            plan.pieces = snapshot(plan.pieces, self._staging)
 
         def job() -> Path:
             with failure_guard():

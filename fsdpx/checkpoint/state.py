@@ -18,9 +18,11 @@ Names (checkpoint_tools/FORMAT.md): "model/<state-dict key>" for parameters and 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import _StridedShard
+
+try:
+    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+except ImportError:  # torch < 2.13 (e.g. a GPU image's older torch): no FSDP-over-TP saves
+    _StridedShardOffsetMode = None  # type: ignore[assignment,misc]
 
 from fsdpx.checkpoint.format import MODEL_PREFIX, optim_name
 
@@ -56,6 +63,10 @@ def _strided_is_rectangle(t: DTensor) -> bool:
     coord = t.device_mesh.get_coordinate()
     if coord is None:
         return True
+    if _StridedShardOffsetMode is None:
+        raise NotImplementedError(
+            f"checkpointing FSDP-over-TP shards needs torch >= 2.13, this is {torch.__version__}"
+        )
     sizes = list(t.shape)
     index: dict[int, torch.Tensor] = {}
     for mesh_dim, p in enumerate(t.placements):
@@ -154,11 +165,31 @@ def _group_params(
             yield gi, names[id(p)], p
 
 
+def offload_view(optimizer: torch.optim.Optimizer | None) -> AbstractContextManager[dict[int, Any]]:
+    """An offloaded optimizer's checkpoint view (fsdpx/offload/cpu.py): while open, its
+    `state` holds every state tensor and the yielded dict maps id(parameter) to the fp32
+    master that a checkpoint stores as that parameter. {} for any other optimizer."""
+    view = getattr(optimizer, "checkpoint_view", None)
+    return view() if view is not None else contextlib.nullcontext({})
+
+
+def with_masters(
+    model: nn.Module, tensors: dict[str, torch.Tensor], masters: dict[int, Any]
+) -> dict[str, torch.Tensor]:
+    """`tensors` (the model's state dict) with each offloaded parameter replaced by its
+    fp32 master (call after model_tensors, see there)."""
+    if not masters:
+        return tensors
+    by_name = {n: masters[id(p)] for n, p in model.named_parameters() if id(p) in masters}
+    return {k: by_name.get(k, t) for k, t in tensors.items()}
+
+
 def collect_pieces(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     rank: int,
     plain_writer: bool | None = None,
+    masters: dict[int, Any] | None = None,
 ) -> tuple[list[Piece], dict[str, Any] | None]:
     """The pieces this rank writes, and the optimizer's non-tensor state (msgpack-able).
 
@@ -166,6 +197,7 @@ def collect_pieces(
         model, optimizer: what to save (optimizer may be None).
         rank: this rank in the checkpoint's process group.
         plain_writer: whether this rank writes plain (non-DTensor) tensors; None: rank 0.
+        masters: from offload_view: fp32 masters saved in place of offloaded parameters.
 
     Returns:
         (pieces, optimizer_meta) where optimizer_meta is None without an optimizer, else
@@ -173,7 +205,7 @@ def collect_pieces(
          "tensor_keys": {fqn: [state key, ...]}, "extra": {fqn: {key: value}}}.
     """
     pieces = []
-    for key, t in model_tensors(model).items():
+    for key, t in with_masters(model, model_tensors(model), masters or {}).items():
         piece = _piece(MODEL_PREFIX + key, t, rank, plain_writer)
         if piece is not None:
             pieces.append(piece)
