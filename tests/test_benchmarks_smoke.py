@@ -105,6 +105,19 @@ def test_ops_aio_script_runs(tmp_path: Path) -> None:
         _line(rf"{op}\s+{NUM}\s+{NUM}\s+{NUM}", out)  # native, reference, ratio
 
 
+def test_offload_script_runs(tmp_path: Path) -> None:
+    import json
+
+    out = _run(["offload.py", "--quick", "--device", "cpu", "--nvme-path", str(tmp_path)])
+    _line(rf"ratio fsdpx/torch-default opt-step \(goal <= 0\.7\): 1M={NUM}", out)
+    _line(rf"ratio nvme-step/dd \(.*goal >= 0\.7\): {NUM}; vs dd write alone: {NUM}", out)
+    summary = json.loads(out.strip().splitlines()[-1])  # the machine-readable last line
+    assert summary["failed"] is False
+    # --quick sets buffer_mb=1: the swapper's host buffers stay within that bound.
+    assert 0 < summary["nvme"]["host_buffer_bytes"] <= 2**20, summary["nvme"]
+    assert not list(tmp_path.iterdir()), "swap file or dd test file left behind"
+
+
 @pytest.mark.slow
 def test_parallel3d_script_runs() -> None:
     out = _run(["parallel3d.py", "--steps", "1", "--warmup", "1", "--tiny"], 4)
