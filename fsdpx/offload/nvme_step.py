@@ -120,6 +120,15 @@ class NvmeState:
     @torch.no_grad()
     def step(self, inv_grad_scale: float) -> None:
         opt = self._opt
+        for s in self._slots:
+            if "exp_avg" in opt.state.get(s.param, {}):
+                # Only the swap file holds the moments; tensors put into `state` from
+                # outside (optimizer.load_state_dict) would be silently ignored.
+                raise RuntimeError(
+                    "OffloadedAdamW with NVMe offload keeps exp_avg/exp_avg_sq in its swap "
+                    "file, but `state` holds such tensors (from optimizer.load_state_dict?); "
+                    "load optimizer state with engine.load_checkpoint instead"
+                )
         step_of = {id(s.param): step for step, slots in opt._steps().items() for s in slots}
         if not step_of:
             return
