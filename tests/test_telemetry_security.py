@@ -210,3 +210,28 @@ def test_relay_cli_refuses_public_bind_and_serves_loopback(tmp_path: Path) -> No
 
     steps = [r["step"] for m in iter_log(log) if m["type"] == "records" for r in m["records"]]
     assert steps == [5] and not sock_path.exists()
+
+
+def test_relay_cli_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """`kill <relay>` (SIGTERM, what process managers send) shuts down like Ctrl-C: the
+    socket file is removed and the exit code is 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FSDPX_TELEMETRY_SECRET"}
+    sock_path = tmp_path / "term.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdpx.telemetry.relay", "--listen", str(sock_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("fsdpx relay listening on unix:")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert not sock_path.exists()

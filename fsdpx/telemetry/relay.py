@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import os
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -243,13 +244,18 @@ class Relay:
             time.sleep(0.02)
         return False
 
+    def request_stop(self) -> None:
+        """Ask the loop to stop at its next turn, without waiting (safe in a signal
+        handler); stop() then finishes the shutdown."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop, take in what peers already sent, close every connection and
         the log (idempotent)."""
-        if self._stop.is_set():
-            return
         self._stop.set()
-        if self._thread is None:  # bound but never served: close here
+        if self._thread is None:  # served in this thread (returned) or never: close here
             if self._listener is not None:
                 self._shutdown()
             return
@@ -518,11 +524,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         address = relay.bind()
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+
+    # Ctrl-C / SIGTERM only ask the loop to stop: a KeyboardInterrupt raised at an
+    # arbitrary point (mid-read, mid-log-write) could leave the shutdown half done.
+    def request_stop(signum: int, frame: object) -> None:
+        relay.request_stop()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
     print(f"fsdpx relay listening on {address}", flush=True)
     try:
         relay.serve()
-    except KeyboardInterrupt:
-        pass
     finally:
         relay.stop()
     return 0
