@@ -197,6 +197,36 @@ def deepspeed_formulas(
     return layer + int(18 * p / n), int(largest_layer_params * 4 * gpus_per_node * factor)
 
 
+def _placement(
+    cfg: Config, *, params: int, grads: int, optimizer: int, numel: int
+) -> dict[str, int]:
+    """Model-state bytes on the device ("none"), in host memory ("cpu") and on NVMe, as
+    fsdpx.offload lays them out (fsdpx/offload/build.py's table):
+
+    - optimizer offload without parameter offload (OffloadedAdamW): an fp32 master (4 B per
+      local element) joins the moments; with device "cpu" the host also holds a gradient
+      copy and, for 16-bit device shards, the 16-bit copy going back; with "nvme" the host
+      holds `buffer_mb` of streaming buffers;
+    - parameter offload: parameters and gradients on the host (fp32, stepped in place); with
+      NVMe optimizer offload the master and moments are in the swap file.
+    """
+    off_opt, off_par = cfg.zero.offload_optimizer, cfg.zero.offload_param
+    placed = {"none": 0, "cpu": 0, "nvme": 0}
+    placed[off_par.device] += params + grads
+    placed[off_opt.device] += optimizer
+    if off_opt.device == "none" or (off_par.device == "cpu" and off_opt.device == "cpu"):
+        return placed  # fsdpx.optim.AdamW steps the parameters where they are
+    placed[off_opt.device] += _FP32 * numel  # the master
+    if off_opt.device == "nvme":
+        placed["cpu"] += off_opt.buffer_mb << 20
+    else:
+        element = params // numel if numel else 0
+        placed["cpu"] += grads  # the host copy of the gradients
+        if element == 2:
+            placed["cpu"] += 2 * numel  # the 16-bit copy sent back to the device
+    return placed
+
+
 def zero_paper_bytes(stage: int, num_params: int, shard: int) -> int:
     """The ZeRO paper's model states (Rajbhandari et al. 2020, fig. 1): 2 bytes of 16-bit
     parameters, 2 of gradients, K = 12 of optimizer state per parameter."""
@@ -255,9 +285,11 @@ def estimate_memory(
     compute = torch.empty((), dtype=torch_dtype(cfg.precision.param_dtype)).element_size()
     gathered = _gathered(cfg.zero, shapes, compute, largest_layer_params)
     off_opt, off_par = cfg.zero.offload_optimizer.device, cfg.zero.offload_param.device
-    placed = {"none": 0, "cpu": 0, "nvme": 0}
-    placed[off_opt] += optimizer
-    placed[off_par] += params + grads
+    local_numel = sum(_shard_numel(p.shape, shard) for p in shapes)
+    if off_opt != "none" and off_par == "none" and compute == 2:
+        # OffloadedAdamW keeps the device shards (and so their gradients) 16-bit.
+        params = grads = local_numel * compute
+    placed = _placement(cfg, params=params, grads=grads, optimizer=optimizer, numel=local_numel)
     ds_gpu, ds_cpu = deepspeed_formulas(
         cfg.zero.stage,
         num_params,

@@ -425,3 +425,67 @@ def rss_body(rank: int, world_size: int, cfg_dict: dict[str, Any], steps: int) -
     }
     finish(engine)
     return out
+
+
+def outside_state_body(rank: int, world_size: int, nvme_path: str) -> dict[str, Any]:
+    """NVMe offload, then moments put into optimizer.state from outside: the step's error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    cfg = fsdpx.Config.from_dict(
+        {"zero": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}}
+    )
+    engine = fsdpx.shard(model, cfg)
+    try:
+        engine.backward(engine(torch.randn(4, 8)).sum())
+        engine.step()
+        p = next(iter(engine.module.parameters()))
+        engine.optimizer.state[p]["exp_avg"] = torch.zeros(p.shape)
+        engine.backward(engine(torch.randn(4, 8)).sum())
+        try:
+            engine.step()
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
+    finally:
+        engine.close()
+
+
+def placement_body(
+    rank: int, world_size: int, offload: str, dtype: str, nvme_path: str
+) -> dict[str, Any]:
+    """fsdpx.estimate_memory's placement next to what an offloaded engine really holds."""
+    from fsdpx.estimate import estimate_memory
+    from tests import ds_bodies
+
+    off = {"device": offload, "nvme_path": nvme_path, "buffer_mb": 1}
+    cfg = fsdpx.Config.from_dict(
+        {"zero": {"stage": 3, "offload_optimizer": off}, "precision": {"param_dtype": dtype}}
+    )
+    with torch.device("meta"):
+        meta = GPT(ds_bodies.EST_MODEL)
+    est = estimate_memory(meta, cfg, world_size)
+    torch.manual_seed(0)
+    engine = fsdpx.shard(GPT(ds_bodies.EST_MODEL), cfg)
+    try:
+        x = torch.randint(0, ds_bodies.EST_MODEL.vocab_size, (2, 8))
+        engine.backward(engine(x, x))
+        params = list(engine.module.parameters())
+        opt = engine.optimizer
+        held = [
+            getattr(s, k)
+            for s in opt.slots()
+            for k in ("master", "exp_avg", "exp_avg_sq", "grad_host", "copy_host")
+        ]
+        return {
+            "est_device": est.device_model_states,
+            "est_host": est.host_bytes,
+            "est_nvme": est.nvme_bytes,
+            "device": sum(local(p).nbytes + local(p.grad).nbytes for p in params),
+            "steps": 4 * len(params),
+            "host_tensors": sum(t.nbytes for t in held if t is not None),
+            "host_buffers": opt.host_buffer_bytes,
+            "total_numel": opt.total_numel,
+            "file_bytes": opt._nvme.store.file_bytes if opt._nvme is not None else 0,
+        }
+    finally:
+        engine.close()

@@ -159,7 +159,8 @@ def test_fsdpx_and_formula_relations_for_a_parameter_count() -> None:
     assert table[(0, "none", "none")].device_model_states == 16 * p + 4
     off = table[(3, "cpu", "cpu")]
     assert off.device_model_states == 0 and off.host_bytes == s3.device_model_states
-    assert table[(2, "cpu", "none")].host_bytes == s3.optimizer
+    # Optimizer offload (fp32): the moments, the fp32 master and a host copy of the grads.
+    assert table[(2, "cpu", "none")].host_bytes == s3.optimizer + 2 * 4 * math.ceil(p / n)
     assert s3.gathered_params == 2 * layer * 4
 
 
@@ -250,3 +251,26 @@ def test_estimate_cli_runs_as_a_console_command() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "per-rank GiB, 1,300,000,000 params, world size 64" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("offload", "dtype"),
+    [("cpu", "bf16"), ("cpu", "fp32"), ("nvme", "bf16")],
+)
+def test_offload_placement_matches_the_tensors_offload_allocates(
+    offload: str, dtype: str, tmp_path: Path
+) -> None:
+    """The estimate's device / host / NVMe bytes against what an offloaded engine holds:
+    its device shards and gradients, and OffloadedAdamW's host tensors or swap file."""
+    from tests import offload_bodies
+
+    (r,) = run_ranks(
+        offload_bodies.placement_body, world_size=1, args=(offload, dtype, str(tmp_path))
+    )
+    assert r["est_device"] == r["device"]
+    if offload == "cpu":
+        assert r["est_host"] == r["host_tensors"] + r["steps"]
+        assert r["est_nvme"] == 0
+    else:
+        assert r["est_host"] == 1 << 20 >= r["host_buffers"]
+        assert r["est_nvme"] == 3 * 4 * r["total_numel"] + r["steps"] <= r["file_bytes"]
