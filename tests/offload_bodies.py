@@ -489,3 +489,57 @@ def placement_body(
         }
     finally:
         engine.close()
+
+
+class ReusedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class ReusingModel(nn.Module):
+    """One block called twice in a forward (a shared layer): FSDP reduces its gradient
+    once per call, so a copy after the first reduction would be partial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = ReusedBlock()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.head(self.block(h) + self.block(2 * h)).pow(2).mean()
+
+
+def reused_block_body(rank: int, world_size: int, stage: int) -> dict[str, dict[str, Any]]:
+    """A reused block, gradient accumulation 2: params after 3 steps, offload cpu vs the
+    same optimizer without offload."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in ("same", "cpu"):
+        torch.manual_seed(0)
+        zero: dict[str, Any] = {"stage": stage, "block_classes": ["ReusedBlock"]}
+        if mode == "cpu":
+            zero["offload_optimizer"] = {"device": "cpu"}
+        cfg = fsdpx.Config.from_dict(
+            {
+                "zero": zero,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.1},
+            }
+        )
+        opt = (
+            (lambda ps: fsdpx.optim.AdamW(ps, lr=LR, weight_decay=0.1)) if mode == "same" else None
+        )
+        engine = fsdpx.shard(ReusingModel(), cfg, optimizer=opt)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3 * 2):
+            x = torch.randn(4 * world_size, 8, generator=g)[rank * 4 : (rank + 1) * 4]
+            engine.backward(engine(x))
+            engine.step()
+        out[mode] = gathered(engine)
+        engine.close()
+    return out

@@ -458,3 +458,13 @@ def test_nvme_state_put_into_the_optimizer_from_outside_is_refused(tmp_path: Pat
     assert out["error"] is not None
     assert re.search(r"load optimizer state with engine.load_checkpoint", out["error"])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_block_called_twice_per_forward_is_stepped_with_its_whole_gradient(stage: int) -> None:
+    """Gradient streaming copies a block's gradient once FSDP has reduced it; a block run
+    twice in one forward is reduced twice, and with accumulation its gradient is partial
+    after the first reduction: it must be copied at step time instead."""
+    (out,) = run_ranks(ob.reused_block_body, world_size=2, args=(stage,))[:1]
+    for name, t in out["same"].items():
+        assert torch.equal(out["cpu"][name], t), name

@@ -88,6 +88,8 @@ class GradStreamer:
         self._armed = False
         self.copied: set[int] = set()
         """ids of the parameters whose gradient copy was issued since the last arm()."""
+        self._reused: set[int] = set()
+        """ids of param groups whose block ran more than once in this forward."""
         self._handles: list[RemovableHandle] = []
         for module, group in _fsdp_groups(model):
             self._handles.append(
@@ -106,6 +108,7 @@ class GradStreamer:
         self._armed = is_boundary
         if is_boundary:
             self.copied = set()
+            self._reused = set()
 
     def wait(self) -> None:
         """Block until every copy issued so far has landed in host memory."""
@@ -143,7 +146,15 @@ class GradStreamer:
         return hook
 
     def _after_reduce(self, group: Any) -> None:
-        if not self._armed:
+        if not self._armed or id(group) in self._reused:
+            return
+        params = [fp.sharded_param for fp in group.fsdp_params]
+        if any(id(p) in self.copied for p in params):
+            # The block ran more than once in this forward (a reused layer): an earlier
+            # callback may have copied a gradient FSDP had not finished accumulating. Leave
+            # the whole group to the step-time copy, which sees the final gradient.
+            self._reused.add(id(group))
+            self.copied.difference_update(id(p) for p in params)
             return
         event = group._post_reduce_event
         stream = self._stream
@@ -152,9 +163,8 @@ class GradStreamer:
                 stream.wait_event(event)
             else:
                 stream.wait_stream(torch.cuda.current_stream())
-        for fsdp_param in group.fsdp_params:
-            p = fsdp_param.sharded_param
-            if p.grad is None or id(p) in self.copied:
+        for p in params:
+            if p.grad is None:
                 continue
             self._copy_fn(p, local(p.grad), stream)
             self.copied.add(id(p))
