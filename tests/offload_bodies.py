@@ -543,3 +543,31 @@ def reused_block_body(rank: int, world_size: int, stage: int) -> dict[str, dict[
         out[mode] = gathered(engine)
         engine.close()
     return out
+
+
+def model_only_body(rank: int, world_size: int, root: str, mode: str) -> dict[str, Any]:
+    """fsdpx.checkpoint.save / load given only the model (no optimizer): with offload they
+    must still go through the fp32 masters. Returns params after loading and one more step,
+    for `mode` and for the same optimizer without offload."""
+    from fsdpx.checkpoint import load as load_ckpt
+    from fsdpx.checkpoint import save as save_ckpt
+
+    nvme = str(Path(root) / "nvme")
+    Path(nvme).mkdir(exist_ok=True)
+    cfg = config(3, optimizer=mode, nvme_path=nvme, precision={"param_dtype": "bf16"})
+    first = build(cfg)
+    train(first, 0, 2)
+    save_ckpt(Path(root) / "ckpt", first.module, tag="t")
+    masters = {n: t.clone() for n, t in gathered(first).items()}
+    finish(first)
+    out: dict[str, Any] = {}
+    for name, same in (("offload", False), ("same", True)):
+        engine = build(
+            config(3, **({} if same else {"optimizer": mode, "nvme_path": nvme})), same=same
+        )
+        load_ckpt(Path(root) / "ckpt", engine.module, tag="t")
+        train(engine, 2, 3)
+        out[name] = gathered(engine)
+        finish(engine)
+    out["saved_bf16"] = masters
+    return out

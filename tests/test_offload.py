@@ -468,3 +468,17 @@ def test_a_block_called_twice_per_forward_is_stepped_with_its_whole_gradient(sta
     (out,) = run_ranks(ob.reused_block_body, world_size=2, args=(stage,))[:1]
     for name, t in out["same"].items():
         assert torch.equal(out["cpu"][name], t), name
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_model_only_checkpoint_save_and_load_go_through_the_masters(
+    tmp_path: Path, mode: str
+) -> None:
+    """fsdpx.checkpoint.save/load(dir, engine.module) without the optimizer: the saved
+    weights are the fp32 masters (not the bf16 device copy) and the loaded ones survive the
+    next step (not overwritten from stale masters)."""
+    out = run_ranks(ob.model_only_body, world_size=2, args=(str(tmp_path), mode))[0]
+    for name, t in out["same"].items():
+        assert torch.equal(out["offload"][name], t), name
+    state = load_state_dict(str(tmp_path / "ckpt" / "t"))
+    assert all(v.dtype == torch.float32 for k, v in state.items() if "weight" in k)

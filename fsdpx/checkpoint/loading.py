@@ -36,6 +36,7 @@ from fsdpx.checkpoint.format import (
 from fsdpx.checkpoint.state import (
     local_tensor,
     model_tensors,
+    offload_owner,
     offload_view,
     param_names,
     rectangle,
@@ -355,7 +356,8 @@ def load(
         path = resolve(directory, tag)
         # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
         # state straight into its swap file); after_load then updates the device copies.
-        with CheckpointReader(path) as reader, offload_view(optimizer) as masters:
+        owner = offload_owner(model, optimizer)
+        with CheckpointReader(path) as reader, offload_view(owner) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
                 loader,
@@ -370,7 +372,7 @@ def load(
                 size=size,
                 masters=masters,
             )
-        after_load = getattr(optimizer, "after_load", None)
+        after_load = getattr(owner, "after_load", None)
         if after_load is not None:
             after_load()
     except Exception as exc:

@@ -40,6 +40,7 @@ from fsdpx.checkpoint.state import (
     Piece,
     collect_pieces,
     merge_optimizer_meta,
+    offload_owner,
     offload_view,
     rng_state,
     snapshot,
@@ -267,7 +268,7 @@ def save(
         fsdpx.checkpoint.save("ckpts", model, opt, tag="step100", client_state={"epoch": 2})
     """
     rank, _ = commit.world(group)
-    with offload_view(optimizer) as masters:
+    with offload_view(offload_owner(model, optimizer)) as masters:
         try:
             plan: _Plan | BaseException = _plan(
                 directory,
@@ -360,7 +361,7 @@ class Checkpointer:
         options = dataclasses.replace(self.options, save_latest=save_latest)
         # An offloaded optimizer's state is readable only inside its view (NVMe: mapped
         # from the swap file), so the pieces are written or snapshotted before it closes.
-        with offload_view(optimizer) as masters:
+        with offload_view(offload_owner(model, optimizer)) as masters:
             try:
                 plan = _plan(
                     directory,

@@ -165,6 +165,22 @@ def _group_params(
             yield gi, names[id(p)], p
 
 
+OFFLOAD_OWNER = "_fsdpx_offloaded_optimizer"
+"""Attribute of a model whose parameters an offloaded optimizer steps: a weakref to it."""
+
+
+def offload_owner(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> torch.optim.Optimizer | None:
+    """`optimizer`, or when None the offloaded optimizer that owns `model`'s fp32 masters:
+    a model-only save or load must still go through them (the device copy may be 16-bit,
+    and the next step would overwrite loaded parameters from stale masters)."""
+    if optimizer is not None:
+        return optimizer
+    ref = getattr(model, OFFLOAD_OWNER, None)
+    return ref() if ref is not None else None
+
+
 def offload_view(optimizer: torch.optim.Optimizer | None) -> AbstractContextManager[dict[int, Any]]:
     """An offloaded optimizer's checkpoint view (fsdpx/offload/cpu.py): while open, its
     `state` holds every state tensor and the yielded dict maps id(parameter) to the fp32

@@ -28,6 +28,7 @@ device.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from fsdpx.checkpoint.state import OFFLOAD_OWNER
 from fsdpx.config import OffloadConfig
 from fsdpx.offload.grad_stream import GradStreamer, local
 from fsdpx.ops import adam_step
@@ -155,6 +157,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._nvme = NvmeState(self, masters, copy_dtype, rank)
             self.host_buffer_bytes = self._nvme.host_bytes
         del masters
+        if model is not None:
+            # A model-only fsdpx.checkpoint.save/load finds the masters through this.
+            setattr(model, OFFLOAD_OWNER, weakref.ref(self))
         self._streamer: GradStreamer | None = None
         if model is not None and offload.device == "cpu":
             streamer = GradStreamer(model, self._copy_grad, self._stream)
