@@ -446,7 +446,8 @@ class CheckpointConfig:
     zstd_level: int = 1
     """zstd level; higher levels cost much more time for little size on weights."""
     async_save: bool = False
-    """Snapshot to host memory and write from a background thread; training continues."""
+    """Snapshot to host memory and write from a background thread; training continues.
+    (With NVMe optimizer offload the save is synchronous: see fsdpx/checkpoint/saving.py.)"""
     keep_last: int = 0
     """Keep this many newest checkpoints (never deleting the one `latest` names); 0: all."""
     threads: int = 0

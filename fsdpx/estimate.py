@@ -213,9 +213,12 @@ def _placement(
     off_opt, off_par = cfg.zero.offload_optimizer, cfg.zero.offload_param
     placed = {"none": 0, "cpu": 0, "nvme": 0}
     placed[off_par.device] += params + grads
+    if off_par.device == "cpu" and off_opt.device in ("none", "cpu"):
+        placed["cpu"] += optimizer  # fsdpx.optim.AdamW steps the host parameters in place
+        return placed
     placed[off_opt.device] += optimizer
-    if off_opt.device == "none" or (off_par.device == "cpu" and off_opt.device == "cpu"):
-        return placed  # fsdpx.optim.AdamW steps the parameters where they are
+    if off_opt.device == "none":
+        return placed
     placed[off_opt.device] += _FP32 * numel  # the master
     if off_opt.device == "nvme":
         placed["cpu"] += off_opt.buffer_mb << 20

@@ -126,20 +126,28 @@ def shard(
     opt = build_offload_optimizer(params, model, cfg, info.rank)
     if opt is None:
         opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
-    sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
-    return Engine(
-        module=sharded,
-        optimizer=opt,
-        lr_scheduler=sched,
-        cfg=cfg,
-        dims=dims,
-        mesh=mesh,
-        loss_scaler=build_loss_scaler(cfg),
-        device=info.device,
-        loss_fn=loss_fn,
-        pipeline=pipeline,
-        telemetry=start_telemetry(cfg, info, model, opt),
-    )
+    try:
+        sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
+        return Engine(
+            module=sharded,
+            optimizer=opt,
+            lr_scheduler=sched,
+            cfg=cfg,
+            dims=dims,
+            mesh=mesh,
+            loss_scaler=build_loss_scaler(cfg),
+            device=info.device,
+            loss_fn=loss_fn,
+            pipeline=pipeline,
+            telemetry=start_telemetry(cfg, info, model, opt),
+        )
+    except BaseException:
+        # An offloaded optimizer holds a locked swap file and hooks: release them, or a
+        # retry in this process finds the file "in use".
+        close = getattr(opt, "close", None)
+        if close is not None:
+            close()
+        raise
 
 
 def move_buffers_(model: nn.Module, device: torch.device) -> None:

@@ -571,3 +571,22 @@ def model_only_body(rank: int, world_size: int, root: str, mode: str) -> dict[st
         finish(engine)
     out["saved_bf16"] = masters
     return out
+
+
+def failed_shard_body(rank: int, world_size: int, nvme_path: str) -> dict[str, Any]:
+    """fsdpx.shard failing after the NVMe optimizer exists (a scheduler factory raising),
+    then a retry on the same path in the same process."""
+    cfg = fsdpx.Config.from_dict(config(3, optimizer="nvme", nvme_path=nvme_path))
+
+    def bad_scheduler(opt: torch.optim.Optimizer) -> Any:
+        raise RuntimeError("scheduler factory failed")
+
+    try:
+        fsdpx.shard(make_model(), cfg, lr_scheduler=bad_scheduler)
+    except RuntimeError as exc:
+        first = str(exc)
+    left = swap_files(nvme_path)
+    engine = fsdpx.shard(make_model(), cfg)
+    train(engine, 0, 1)
+    finish(engine)
+    return {"first": first, "left_after_failure": left}

@@ -162,6 +162,11 @@ def test_fsdpx_and_formula_relations_for_a_parameter_count() -> None:
     # Optimizer offload (fp32): the moments, the fp32 master and a host copy of the grads.
     assert table[(2, "cpu", "none")].host_bytes == s3.optimizer + 2 * 4 * math.ceil(p / n)
     assert s3.gathered_params == 2 * layer * 4
+    # Parameter offload alone: fsdpx.optim.AdamW steps the host parameters, moments there too.
+    par = estimate_memory(
+        p, Config.from_dict({"zero": {"stage": 3, "offload_param": {"device": "cpu"}}}), n
+    )
+    assert par.device_model_states == 0 and par.host_bytes == s3.device_model_states
 
 
 def test_fake_mode_activations_and_peak_with_a_sample_input() -> None:

@@ -482,3 +482,32 @@ def test_model_only_checkpoint_save_and_load_go_through_the_masters(
         assert torch.equal(out["offload"][name], t), name
     state = load_state_dict(str(tmp_path / "ckpt" / "t"))
     assert all(v.dtype == torch.float32 for k, v in state.items() if "weight" in k)
+
+
+def test_a_failed_shard_releases_the_swap_file_so_a_retry_works(tmp_path: Path) -> None:
+    (out,) = run_ranks(ob.failed_shard_body, world_size=1, args=(str(tmp_path),))
+    assert out["first"] == "scheduler factory failed"
+    assert out["left_after_failure"] == []
+
+
+def test_offloaded_adamw_refuses_param_groups_added_later() -> None:
+    from fsdpx.config import OffloadConfig
+    from fsdpx.offload import OffloadedAdamW
+
+    opt = OffloadedAdamW([torch.nn.Parameter(torch.ones(3))], offload=OffloadConfig(device="cpu"))
+    with pytest.raises(NotImplementedError, match=r"cannot take parameter groups after"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+
+
+def test_async_save_with_nvme_offload_warns_that_saves_are_synchronous(tmp_path: Path) -> None:
+    import fsdpx
+    from fsdpx.offload import check_offload
+
+    cfg = fsdpx.Config.from_dict(
+        {
+            **ob.config(3, optimizer="nvme", nvme_path=str(tmp_path)),
+            "checkpoint": {"async_save": True},
+        }
+    )
+    with pytest.warns(UserWarning, match=r"checkpoints are written synchronously"):
+        check_offload(cfg, None)

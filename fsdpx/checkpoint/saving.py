@@ -290,6 +290,14 @@ def save(
         return _write_and_commit(plan, options or SaveOptions(), group)
 
 
+def _swapped_to_nvme(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer keeps its state in an NVMe swap file. Such state is saved
+    synchronously even with async_save: a snapshot would copy all of it into host memory
+    (and keep the buffers), which is what NVMe offload exists to avoid."""
+    offload = getattr(optimizer, "offload", None)
+    return getattr(offload, "device", None) == "nvme"
+
+
 class Checkpointer:
     """Saves and loads for one training job (held by the engine).
 
@@ -361,7 +369,9 @@ class Checkpointer:
         options = dataclasses.replace(self.options, save_latest=save_latest)
         # An offloaded optimizer's state is readable only inside its view (NVMe: mapped
         # from the swap file), so the pieces are written or snapshotted before it closes.
-        with offload_view(offload_owner(model, optimizer)) as masters:
+        owner = offload_owner(model, optimizer)
+        write_now = not self.async_save or _swapped_to_nvme(owner)
+        with offload_view(owner) as masters:
             try:
                 plan = _plan(
                     directory,
@@ -381,7 +391,7 @@ class Checkpointer:
             except Exception as exc:
                 # Vote in the foreground so every rank fails now, not at the next wait.
                 return _write_and_commit(exc, options, group)
-            if not self.async_save:
+            if write_now:
                 return _write_and_commit(plan, options, group)
             plan.pieces = snapshot(plan.pieces, self._staging)
 

@@ -13,6 +13,7 @@ accelerator: pin_memory defaults to whether one exists.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -42,6 +43,13 @@ def check_offload(cfg: Config, optimizer: Any) -> None:
         raise ValueError(
             f"zero.offload_param needs zero.stage 3 (as in DeepSpeed), got stage "
             f"{cfg.zero.stage}; set stage 3 or drop offload_param"
+        )
+    if opt_off.device == "nvme" and cfg.checkpoint.async_save:
+        warnings.warn(
+            "checkpoint.async_save with zero.offload_optimizer.device='nvme': checkpoints are "
+            "written synchronously, since a background save would first copy the whole "
+            "optimizer state from the swap file into host memory",
+            stacklevel=3,
         )
     if opt_off.device == "none" and param_off.device == "none":
         return

@@ -167,6 +167,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     # --- set-up -------------------------------------------------------------------------
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # Called by torch.optim.Optimizer.__init__ before any offload state exists; a group
+        # added later would get no host or swap-file state and never be stepped.
+        if hasattr(self, "_slots"):
+            raise NotImplementedError(
+                "OffloadedAdamW cannot take parameter groups after construction (their "
+                "offloaded state is laid out once); pass every group to fsdpx.shard's model"
+            )
+        super().add_param_group(param_group)
+
     def _host(self, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(like.shape, dtype=dtype, pin_memory=self._pin)
 
