@@ -85,6 +85,7 @@ def test_cpu_and_nvme_offload_agree_bitwise_and_track_device_adam(tmp_path: Path
     cpu = _engine({"device": "cpu"})
     cpu_losses = _train(cpu, 5)
     streamed = len(cpu.optimizer._streamer.copied)
+    assert all(s.master.is_pinned() and s.grad_host.is_pinned() for s in cpu.optimizer.slots())
     cpu_device_bytes = torch.cuda.memory_allocated()
     assert all(
         (t.to_local() if isinstance(t, DTensor) else t).device.type == "cpu"
@@ -130,3 +131,47 @@ def test_bf16_device_params_halve_device_memory_and_checkpoint_fp32_masters(
         local = p.to_local().cpu()
         assert local.dtype == torch.float32
         assert torch.equal(local, masters[n].view(local.shape)), n
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_pinned_offload_buffers_take_exactly_their_size(tmp_path: Path) -> None:
+    """torch's pinned allocator rounds every allocation up to a power of two; the NVMe
+    buffer sets (96 MiB in 3 sets of 32 MiB + 4 KiB: 64 MiB each if rounded) must stay
+    within their bound, and still be page-locked."""
+    from fsdpx.offload.nvme import NvmeStore
+
+    before = _rss()
+    store = NvmeStore(
+        str(tmp_path),
+        rank=0,
+        numel=64 << 20,
+        regions=3,
+        buffer_bytes=96 << 20,
+        extra_dtypes={},
+        pin_memory=True,
+    )
+    try:
+        grown = _rss() - before
+        assert store.host_bytes <= 96 << 20
+        assert grown <= store.host_bytes + (8 << 20), (grown, store.host_bytes)
+        assert _page_locked(store._sets[0].regions[0])
+    finally:
+        store.close()
+
+
+def _page_locked(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is registered with CUDA (page_lock_): registering it again
+    fails with cudaErrorHostMemoryAlreadyRegistered. (torch's is_pinned() knows only its
+    own pinned allocator's blocks.)"""
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    if err == 0:
+        cudart.cudaHostUnregister(t.data_ptr())
+    return err == 712

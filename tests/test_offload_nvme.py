@@ -713,7 +713,12 @@ def test_pinned_buffers_with_gpu_copy_fence(tmp_path: Path) -> None:
         tmp_path, rank=0, numel=numel, regions=3, buffer_bytes=3 * 2048 * 14,
         extra_dtypes={"p16": torch.bfloat16}, pin_memory=True,
     ) as store:  # fmt: skip
-        assert all(b.is_pinned() for s in store._sets for b in [*s.regions, *s.extra.values()])
+        # page_lock_ registers the buffers with CUDA (torch's is_pinned() only knows its own
+        # allocator's blocks): registering again must fail with "already registered" (712).
+        cudart = torch.cuda.cudart()
+        for s in store._sets:
+            base = s.regions[0]
+            assert int(cudart.cudaHostRegister(base.data_ptr(), 4096, 0)) == 712
         data = torch.randn(numel)
         write_regions(store, [data, data, data])
         stream = torch.cuda.Stream()

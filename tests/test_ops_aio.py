@@ -232,3 +232,12 @@ def test_aligned_empty_is_page_aligned() -> None:
         t = aligned_empty((5, 7), dtype=dtype)
         assert t.shape == (5, 7) and t.dtype == dtype and t.is_contiguous()
         assert t.data_ptr() % A == 0
+
+
+def test_page_lock_without_cuda_says_to_turn_pinning_off() -> None:
+    from fsdpx.ops.aio import page_lock_
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only message")
+    with pytest.raises(RuntimeError, match=r"pinning host memory needs a CUDA device"):
+        page_lock_(torch.empty(16))

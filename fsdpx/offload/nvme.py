@@ -48,7 +48,14 @@ import msgpack
 import torch
 from torch import Tensor
 
-from fsdpx.ops.aio import DIRECT_IO_ALIGNMENT, AioError, AioHandle, AioPool, aligned_empty
+from fsdpx.ops.aio import (
+    DIRECT_IO_ALIGNMENT,
+    AioError,
+    AioHandle,
+    AioPool,
+    aligned_empty,
+    page_lock_,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -184,6 +191,8 @@ class _Files:
         self.meta = meta
         self.fd = fd
         self.pool: AioPool | None = None
+        self.locked: list[tuple[Tensor, Callable[[], None]]] = []
+        """Page-locked buffers and their unlock; unlocked once no I/O can touch them."""
         self.closed = False
         self.owner = os.getpid()
 
@@ -199,6 +208,9 @@ class _Files:
         if self.pool is not None:
             self.pool.close()  # waits for requests still in flight
             self.pool = None
+        for _, unlock in self.locked:
+            unlock()
+        self.locked = []
         if remove:
             # The sidecar goes first: a swap file without one is never reused.
             for p in (self.meta, self.swap):
@@ -345,6 +357,7 @@ class NvmeStore:
         self._meta = directory / (swap.name + ".meta")
         fd = _open_locked(self.path)
         files = _Files(self.path, self._meta, fd)
+        self._locked = files.locked
         try:
             self.reused = self._reuse_or_recreate(fd)
             self.o_direct = self.file_bytes > 0 and _probe_o_direct(self.path)
@@ -429,7 +442,11 @@ class NvmeStore:
         self, itemsizes: dict[str, int], dtypes: dict[str, torch.dtype], pin: bool
     ) -> BufferSet:
         c = self.chunk_numel
-        raw = aligned_empty((self.host_bytes // self._num_sets,), pin_memory=pin)
+        raw = aligned_empty((self.host_bytes // self._num_sets,))
+        if pin:
+            # Page-locked in place, at exactly its size (see page_lock_): the buffers are
+            # the host-memory bound this store promises.
+            self._locked.append((raw, page_lock_(raw)))
         regions = [
             raw[r * c * _FP32 : (r + 1) * c * _FP32].view(torch.float32)
             for r in range(self.regions)

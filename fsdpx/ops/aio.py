@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -52,7 +53,14 @@ from torch import Tensor
 
 from fsdpx.ops._loader import load_ops
 
-__all__ = ["DIRECT_IO_ALIGNMENT", "AioError", "AioHandle", "AioPool", "aligned_empty"]
+__all__ = [
+    "DIRECT_IO_ALIGNMENT",
+    "AioError",
+    "AioHandle",
+    "AioPool",
+    "aligned_empty",
+    "page_lock_",
+]
 
 DIRECT_IO_ALIGNMENT = 4096
 """Alignment (bytes) of memory, file offsets and sizes that O_DIRECT transfers need."""
@@ -89,6 +97,40 @@ def aligned_empty(
     raw = torch.empty(nbytes + DIRECT_IO_ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
     start = -raw.data_ptr() % DIRECT_IO_ALIGNMENT
     return raw[start : start + nbytes].view(dtype).view(tuple(shape))
+
+
+def page_lock_(t: Tensor) -> Callable[[], None]:
+    """Page-lock a contiguous CPU tensor's memory in place (cudaHostRegister), so device
+    copies from/to it run asynchronously. Returns `unlock` (idempotent): the caller keeps
+    `t` alive and calls it before letting the memory go.
+
+    Not `torch.empty(..., pin_memory=True)`: torch's pinned allocator rounds every
+    allocation up to a power of two (CachingHostAllocator), up to twice the memory asked
+    for, which would break the host-memory bound of offload buffers. (torch's `is_pinned()`
+    does not report memory locked this way.)
+
+    Example:
+        >>> buf = torch.empty(1 << 20); unlock = page_lock_(buf); ...; unlock()
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "pinning host memory needs a CUDA device; set the offload's pin_memory to false"
+        )
+    if t.numel() == 0:
+        return lambda: None
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (CUDA error {err})")
+    done = [False]
+
+    def unlock() -> None:
+        if not done[0]:
+            done[0] = True
+            cudart.cudaHostUnregister(ptr)
+
+    return unlock
 
 
 class AioError(OSError):
