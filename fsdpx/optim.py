@@ -40,6 +40,42 @@ def build_optimizer(
     raise AssertionError(f"unhandled optimizer type {cfg.type!r}")  # config validated it
 
 
+def adamw_defaults(
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+) -> dict[str, Any]:
+    """Checked hyperparameters of an AdamW param group (shared by AdamW and
+    fsdpx.offload.OffloadedAdamW, whose state dicts have the same layout).
+
+    Example::
+
+        super().__init__(params, adamw_defaults(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, ...))
+    """
+    if not lr >= 0.0:
+        raise ValueError(f"AdamW: lr must be >= 0, got {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"AdamW: eps must be >= 0, got {eps}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"AdamW: betas must each be in [0, 1), got {betas}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"AdamW: weight_decay must be >= 0, got {weight_decay}")
+    return dict(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        decoupled_weight_decay=decoupled_weight_decay,
+    )
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW (or Adam with `decoupled_weight_decay=False`) whose CPU fp32 parameters, plain or
     sharded DTensors (updated on their local shards), are stepped by the fused native
@@ -75,15 +111,7 @@ class AdamW(torch.optim.Optimizer):
         maximize: bool = False,
         decoupled_weight_decay: bool = True,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"AdamW: lr must be >= 0, got {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"AdamW: eps must be >= 0, got {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"AdamW: betas must each be in [0, 1), got {betas}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"AdamW: weight_decay must be >= 0, got {weight_decay}")
-        defaults = dict(
+        defaults = adamw_defaults(
             lr=lr,
             betas=betas,
             eps=eps,

@@ -42,6 +42,7 @@ from fsdpx.checkpoint.state import OFFLOAD_OWNER
 from fsdpx.config import OffloadConfig
 from fsdpx.offload.grad_stream import GradStreamer, local
 from fsdpx.ops import adam_step
+from fsdpx.optim import adamw_defaults
 
 # Elements per adam_step call: small enough that copying a bucket back to the device
 # overlaps computing the next, large enough that per-call overhead does not matter.
@@ -118,7 +119,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(
                 f"OffloadedAdamW needs offload device 'cpu' or 'nvme', got {offload.device!r}"
             )
-        defaults = dict(
+        defaults = adamw_defaults(
             lr=lr,
             betas=betas,
             eps=eps,
