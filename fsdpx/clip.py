@@ -21,6 +21,7 @@ def total_grad_norm(
     *,
     norm_type: float = 2.0,
     pp_group: dist.ProcessGroup | None = None,
+    in_fp32: bool = False,
 ) -> torch.Tensor:
     """The norm of all gradients together, as a plain tensor equal on every rank.
 
@@ -28,11 +29,20 @@ def total_grad_norm(
         params: parameters whose .grad is a tensor or a DTensor (any mesh).
         norm_type: p of the p-norm; inf supported.
         pp_group: when given, norms of the pipeline stages are combined over it.
+        in_fp32: accumulate 16-bit gradients' norms in fp32 (loss-scaled fp16 gradients
+            overflow a 16-bit norm); else each norm comes in its gradient's dtype, as in
+            torch.nn.utils.clip_grad_norm_.
     """
     parts: list[torch.Tensor] = []
     for group in _params_by_mesh(params):
         grads = [p.grad for p in group if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
+        if in_fp32:
+            per_tensor = [
+                torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads
+            ]
+            norm = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
         parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not parts:
         device = torch.device("cpu")

@@ -5,9 +5,8 @@ extra passes over the device gradients."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from fsdpx.clip import _params_by_mesh, total_grad_norm
+from fsdpx.clip import total_grad_norm
 from fsdpx.offload.cpu import OffloadedAdamW
 
 
@@ -36,9 +35,8 @@ def offloaded_step(
     if max_norm > 0:
         # The gradients are still loss-scaled here: a 16-bit norm of fp16 gradients times
         # 65536 overflows, so 16-bit gradients are normed in fp32.
-        norm = (
-            total_grad_norm(params, pp_group=pp_group) if _all_fp32(params) else _fp32_norm(params)
-        )
+        fp32_grads = all(p.grad is None or p.grad.dtype == torch.float32 for p in params)
+        norm = total_grad_norm(params, pp_group=pp_group, in_fp32=not fp32_grads)
         if inv_scale != 1.0:
             norm = norm * inv_scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -46,24 +44,3 @@ def offloaded_step(
         factor = float(coef) * inv_scale
     optimizer.step(inv_grad_scale=factor)
     return norm_value
-
-
-def _all_fp32(params: list[torch.nn.Parameter]) -> bool:
-    return all(p.grad is None or p.grad.dtype == torch.float32 for p in params)
-
-
-def _fp32_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of all gradients, accumulated and returned in fp32 (one reduction per
-    mesh, as fsdpx.clip.total_grad_norm does)."""
-    squares = []
-    for group in _params_by_mesh(params):
-        norms = [
-            torch.linalg.vector_norm(p.grad, 2, dtype=torch.float32)  # type: ignore[arg-type]
-            for p in group
-        ]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2)
-        total = total.full_tensor() if isinstance(total, DTensor) else total
-        squares.append(total * total)
-    if not squares:
-        return torch.zeros(())
-    return torch.stack(squares).sum().sqrt()
