@@ -15,6 +15,17 @@ the relay and sends batches with a `send_timeout_s` socket timeout; a batch it c
 send is dropped and counted. Nothing it does raises into training: errors are counted
 in `stats` and logged once.
 
+[Note: telemetry accounting]
+Every record is in exactly one place: `queued`, `stats.records_sent` or `dropped`
+(pushed out of the full queue, or in a batch whose send failed); the same holds for
+events with `events_queued`, `stats.events_sent` and `stats.events_dropped`. A failed
+send loses only the batch it was sending: events are taken from their queue only after
+the records batch before them went out. "Sent" means handed to the kernel in full: a
+relay that never reads loses what sits in its socket buffer when the connection is
+closed, and no sender can know that. A send failure can therefore lose only events
+(a records batch that fit in the socket buffer, then an events frame that did not);
+`send_failures > 0` does not imply `dropped > 0`.
+
 Checkpoint code reports saves and loads with::
 
     if engine.telemetry is not None:
@@ -74,6 +85,8 @@ class PublisherStats:
 
     records_sent: int = 0
     events_sent: int = 0
+    events_dropped: int = 0
+    """Events lost in a failed send (records lost are the publisher's `dropped`)."""
     connects: int = 0
     send_failures: int = 0
     sender_errors: int = 0
@@ -185,6 +198,11 @@ class Publisher:
         """Records waiting to be sent."""
         return len(self._records)
 
+    @property
+    def events_queued(self) -> int:
+        """Events waiting to be sent."""
+        return len(self._events)
+
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Remember a micro-step's loss (the engine calls this from backward)."""
         self._losses.append(loss.detach())
@@ -245,6 +263,8 @@ class Publisher:
         """
         if kind not in EVENT_KINDS:
             raise ValueError(f"telemetry event kind must be one of {EVENT_KINDS}; got {kind!r}")
+        if len(self._events) == self._events.maxlen:
+            self.stats.events_dropped += 1
         self._events.append(
             {
                 "rank": self.rank,
@@ -269,7 +289,9 @@ class Publisher:
             return
         self._closed = True
         self._meter.abort()
-        self.event("exit", step=None, detail={"reason": reason, "dropped": self.dropped})
+        detail = {"reason": reason, "dropped": self.dropped}
+        detail["events_dropped"] = self.stats.events_dropped
+        self.event("exit", step=None, detail=detail)
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
@@ -362,11 +384,11 @@ class Publisher:
             return
         while self._records or self._events:
             records = self._take_records(final)
+            if records and not self._send("records", records):
+                return  # events stay queued: only the failed batch is lost
             events = [self._events.popleft() for _ in range(min(64, len(self._events)))]
             if not records and not events:
                 return  # the oldest record's loss copy has not finished yet
-            if records and not self._send("records", records):
-                return
             if events and not self._send("events", events):
                 return
 
@@ -407,6 +429,8 @@ class Publisher:
             self.stats.send_failures += 1
             if kind == "records":
                 self._dropped_send += len(items)
+            else:
+                self.stats.events_dropped += len(items)
             self._conn.close()
             self._conn = None
             self._retry_at = time.monotonic() + self._backoff
