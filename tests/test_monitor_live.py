@@ -40,9 +40,11 @@ class Ranks:
     connection per rank, kept open: a closed one makes the relay report the rank dead)."""
 
     def __init__(self, address: str, secret: bytes | None = None) -> None:
+        # Each hello names the rank and host its records carry (the relay checks it).
         self.conns = [
-            connect(address, role="rank", secret=secret, timeout_s=5.0, rank=r, host="h", pid=1)
+            connect(address, role="rank", secret=secret, timeout_s=5.0, rank=r, host=host, pid=1)
             for r in range(RUN.n_ranks)
+            for host in [RUN.record(r, 1)["host"]]
         ]
 
     def publish(self, steps: range) -> None:

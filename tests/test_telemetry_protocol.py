@@ -26,10 +26,10 @@ from fsdpx.telemetry.protocol import (
     encode_frame,
     make_challenge,
     make_hello,
-    validate_message,
 )
 from fsdpx.telemetry.relay import Relay
 from fsdpx.telemetry.transport import connect, parse_address
+from fsdpx.telemetry.validate import validate_message
 
 scalars = (
     st.none()
@@ -113,6 +113,23 @@ def test_truncated_frame_waits_for_the_rest() -> None:
         (msgpack.packb({"kind": "x"}), "must be a map with a str 'type'"),
         (msgpack.packb({1: 2, "type": "x"}), "not valid msgpack"),
         (msgpack.packb({"type": "x", "t": msgpack.ExtType(5, b"x")}), "extension type 5"),
+        # msgpack decodes its Timestamp extension itself (ext_hook never sees it), and
+        # strict_map_key lets bytes keys through: the validation walk rejects both.
+        (
+            msgpack.packb({"type": "records", "time": msgpack.Timestamp(1, 0)}),
+            r"msgpack timestamp at time is not allowed",
+        ),
+        (
+            msgpack.packb(
+                {"type": "records", "records": [{"rank": 0, "time": msgpack.Timestamp(1, 0)}]}
+            ),
+            r"msgpack timestamp at records\[0\]\.time is not allowed",
+        ),
+        (msgpack.packb({"type": "x", b"rank": 0}), "map key b'rank' at the top level is a bytes"),
+        (
+            msgpack.packb({"type": "events", "events": [{"detail": [{b"k": 1}]}]}),
+            r"map key b'k' at events\[0\]\.detail\[0\] is a bytes; map keys must be str",
+        ),
         (b"\xc1", "not valid msgpack"),
         (msgpack.packb({"type": "x"}) + b"\x00", "not valid msgpack"),
     ],
@@ -129,6 +146,15 @@ def test_encode_refuses_oversized_and_unencodable() -> None:
         encode_frame({"type": "records", "x": object()})
 
 
+def test_deep_nesting_is_checked_without_recursion() -> None:
+    # 1020 one-item arrays: deeper than Python's recursion limit (1000), within msgpack's
+    # unpacker (1023); built by hand, msgpack's packer stops at 512.
+    head = msgpack.packb({"type": "x", "v": None})[:-1]  # the map without v's value
+    body = head + b"\x91" * 1020 + msgpack.packb(msgpack.Timestamp(1, 0))
+    with pytest.raises(ProtocolError, match="msgpack timestamp at v"):
+        FrameDecoder().feed(struct.pack(">I", len(body)) + body)
+
+
 def test_validate_message_shapes() -> None:
     validate_message({"type": "records", "records": [dict.fromkeys(RECORD_FIELDS)]})
     validate_message({"type": "future", "anything": 1})  # unknown types pass
@@ -136,6 +162,11 @@ def test_validate_message_shapes() -> None:
         validate_message({"type": "records", "records": [1]})
     with pytest.raises(ProtocolError, match="int 'rank' and a str 'host'"):
         validate_message({"type": "events", "events": [{"rank": "0"}]})
+    mine = {"type": "records", "records": [{"rank": 0, "host": "h"}]}
+    validate_message(mine, owner=(0, "h"))
+    validate_message({"type": "records", "records": [{"rank": 1, "host": "h"}]})  # a relay's
+    with pytest.raises(ProtocolError, match=r"records\[0\] is for rank 0 on host 'h', but"):
+        validate_message(mine, owner=(1, "h"))
 
 
 def test_version_mismatch_is_refused() -> None:
@@ -174,12 +205,14 @@ def test_log_survives_a_truncated_tail(tmp_path: Path) -> None:
 def _bad_payloads(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
     """(kind, bytes) of n bad inputs; kind says whether the relay must count it."""
     rng = random.Random(seed)
-    hello_msg, _ = make_hello(make_challenge(auth_required=False), role="rank", secret=None)
+    hello_msg, _ = make_hello(
+        make_challenge(auth_required=False), role="rank", secret=None, rank=0, host="h", pid=1
+    )
     hello = encode_frame(hello_msg)
     good = encode_frame({"type": "records", "records": [{"rank": 0, "host": "h", "step": 1}]})
     out = []
     for i in range(n):
-        kind = i % 8
+        kind = i % 10
         if kind == 0:  # random bytes, no hello
             out.append(
                 ("bad", struct.pack(">I", rng.randint(1, 64)) + rng.randbytes(rng.randint(1, 64)))
@@ -199,6 +232,15 @@ def _bad_payloads(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
             out.append(("truncated", hello + good[: rng.randint(1, len(good) - 1)]))
         elif kind == 6:  # records before the hello
             out.append(("bad", good))
+        elif kind == 7:  # a msgpack timestamp (PROTOCOL.md: extension types are rejected)
+            bad: dict[str, Any] = {"type": "records", "records": [{"rank": 0, "host": "h"}]}
+            bad["records"][0]["step"] = 2
+            bad["records"][0]["time"] = msgpack.Timestamp(rng.randint(0, 2**32), 0)
+            body = msgpack.packb(bad)
+            out.append(("bad", hello + struct.pack(">I", len(body)) + body))
+        elif kind == 8:  # a bytes map key (PROTOCOL.md: string keys)
+            body = msgpack.packb({"type": "records", "records": [{b"rank": 0, "step": 3}]})
+            out.append(("bad", hello + struct.pack(">I", len(body)) + body))
         else:  # random bytes after a good hello and frame
             junk = rng.randbytes(rng.randint(8, 200))
             out.append(("maybe", hello + good + junk))
@@ -229,9 +271,13 @@ def test_relay_survives_10000_bad_inputs(tmp_path: Path) -> None:
         stats = relay.stats
         assert stats.accepted == len(payloads)
         # Every bad one is counted; "maybe" ones count when the junk breaks the framing.
-        assert must_count <= stats.bad_connections <= len(payloads) - len(payloads) // 8
+        assert must_count <= stats.bad_connections <= len(payloads) - len(payloads) // 10
         # The good frame ahead of the junk was decoded and taken in every time.
         assert stats.frames_in == stats.records_in == sum(k == "maybe" for k, _ in payloads)
+        # Nothing of the timestamp (step 2) and bytes-key (step 3) frames got in.
+        kept = [msgpack.unpackb(body) for body in relay.history.frames()]
+        assert {r["step"] for m in kept for r in m["records"]} == {1}
+        assert relay.history.num_ranks == 1  # (host "h", rank 0) of the "maybe" frames
         # After all that, a good rank and a monitor still work.
         rank = connect(address, role="rank", secret=None, timeout_s=5, rank=3, host="ok", pid=1)
         rank.send({"type": "records", "records": [{"rank": 3, "host": "ok", "step": 42}]})
@@ -258,7 +304,9 @@ def test_frames_of_a_peer_that_left_are_taken_in(tmp_path: Path) -> None:
     relay = Relay(str(tmp_path / "r.sock"), log_path=tmp_path / "r.tlm")
     address = relay.bind()
     assert address.path is not None
-    hello, _ = make_hello(make_challenge(auth_required=False), role="rank", secret=None, rank=5)
+    hello, _ = make_hello(
+        make_challenge(auth_required=False), role="rank", secret=None, rank=5, host="h", pid=1
+    )
     records = {"type": "records", "records": [{"rank": 5, "host": "h", "step": 7}]}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(address.path)

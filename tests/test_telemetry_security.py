@@ -3,6 +3,7 @@ without a secret, HMAC challenge-response per connection, tagged frames verified
 
 from __future__ import annotations
 
+import re
 import socket
 import stat
 import time
@@ -95,7 +96,7 @@ def test_public_bind_with_secret_is_allowed() -> None:
 def test_right_secret_connects_and_frames_arrive(secure_relay: Relay) -> None:
     from fsdpx.telemetry.transport import connect
 
-    rank = connect(secure_relay.address, role="rank", secret=SECRET, timeout_s=5, rank=0)
+    rank = connect(secure_relay.address, role="rank", secret=SECRET, timeout_s=5, rank=0, host="h")
     rank.send({"type": "records", "records": [{"rank": 0, "host": "h", "step": 1}]})
     monitor = connect(secure_relay.address, role="monitor", secret=SECRET, timeout_s=5)
     _wait(lambda: secure_relay.stats.records_in == 1)
@@ -122,7 +123,7 @@ def _handshake(relay: Relay) -> tuple[socket.socket, FrameAuth]:
     challenge = None
     while challenge is None:
         challenge = next(iter(decoder.feed(sock.recv(4096))), None)
-    hello, auth = make_hello(challenge, role="rank", secret=SECRET, rank=0, host="h")
+    hello, auth = make_hello(challenge, role="rank", secret=SECRET, rank=0, host="h", pid=1)
     sock.sendall(encode_frame(hello))
     welcome: list[dict[str, object]] = []
     while not welcome:
@@ -132,12 +133,17 @@ def _handshake(relay: Relay) -> tuple[socket.socket, FrameAuth]:
     return sock, auth
 
 
-def _closed_by_relay(sock: socket.socket) -> bool:
-    sock.settimeout(5.0)
-    try:
-        return sock.recv(4096) == b""
-    except ConnectionResetError:
-        return True
+def _error_then_close(sock: socket.socket, auth: FrameAuth | None) -> str:
+    """The reason of the relay's "error" frame (tagged when `auth` is set: it comes after
+    the welcome), which must be followed by the relay closing the connection."""
+    sock.settimeout(10.0)
+    decoder = FrameDecoder(auth=auth)
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    (error,) = decoder.feed(data)
+    assert error["type"] == "error" and decoder.buffered == 0
+    return str(error["reason"])
 
 
 @pytest.mark.parametrize("attack", ["untagged", "wrong_tag", "replayed", "reflected"])
@@ -156,7 +162,8 @@ def test_frames_without_or_with_wrong_hmac_are_rejected(secure_relay: Relay, att
     else:  # a frame signed in the relay's direction
         bad = encode_frame(message, auth=FrameAuth(auth.key, b"S", b"C"))
     sock.sendall(bad)
-    assert _closed_by_relay(sock)
+    # Told why, in a frame the relay tagged (so a client can trust the reason), then closed.
+    assert re.search(r"frame \d has a missing or wrong HMAC tag", _error_then_close(sock, auth))
     sock.close()
     _wait(lambda: secure_relay.stats.auth_failures == 1)
     assert secure_relay.stats.records_in == (1 if attack == "replayed" else 0)

@@ -196,7 +196,79 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise ProtocolError(
             f"a message must be a map with a str 'type'; got {type(message).__name__}"
         )
+    check_values(message)
     return message
+
+
+_LEAF_TYPES = frozenset({type(None), bool, int, float, str, bytes})
+_STR_ONLY = frozenset({str})
+
+
+def check_values(message: dict[str, Any]) -> None:
+    """Reject what msgpack decodes but the protocol forbids, in one walk of the message.
+
+    See [Note: one validation walk].
+
+    Raises:
+        ProtocolError: a map key that is not a str (msgpack's `strict_map_key` lets
+            bytes keys through), or a value that is not nil, bool, int, float, str, bin,
+            array or map (a msgpack timestamp: `timestamp=0` decodes that extension
+            itself, without calling `ext_hook`). The message names where it is.
+    """
+    # [Note: one validation walk]
+    # msgpack's own options catch most of the spec (ext_hook: extension types;
+    # strict_map_key: int/nil/... keys) but not two cases: the Timestamp extension
+    # (-1), which the unpacker decodes itself, and bytes map keys. Both would travel on
+    # to monitors, history, logs and CSV exports, so every decoded message is walked
+    # once here. Iterative (nesting may be deeper than Python's recursion limit), and
+    # the per-container type checks run in C (set operations over map(type, ...)):
+    # records are flat maps, so a records frame costs about one check per record. Only
+    # a message found bad is walked again, with paths, to say where.
+    stack: list[Any] = [message]
+    while stack:
+        node = stack.pop()
+        if type(node) is dict:
+            if not _STR_ONLY.issuperset(map(type, node)):
+                _locate(message)
+            values: Any = node.values()
+        elif type(node) is list:
+            values = node
+        else:
+            _locate(message)
+        if not _LEAF_TYPES.issuperset(map(type, values)):
+            stack.extend(v for v in values if type(v) not in _LEAF_TYPES)
+
+
+def _locate(message: dict[str, Any]) -> None:
+    """Raise the ProtocolError for the first bad key or value of a message that
+    check_values found bad, naming where it is (the slow walk, with paths)."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(message, ())]
+    while stack:
+        node, path = stack.pop()
+        if type(node) is dict:
+            for key, value in node.items():
+                if type(key) is not str:
+                    raise ProtocolError(
+                        f"map key {key!r:.80} at {_where(path)} is a {type(key).__name__}; "
+                        "map keys must be str"
+                    )
+                stack.append((value, (*path, key)))
+        elif type(node) is list:
+            stack.extend((value, (*path, index)) for index, value in enumerate(node))
+        elif isinstance(node, msgpack.Timestamp):
+            raise ProtocolError(
+                f"msgpack timestamp at {_where(path)} is not allowed (extension types "
+                "are rejected); send Unix time as a float"
+            )
+        elif type(node) not in _LEAF_TYPES:
+            raise ProtocolError(f"value of type {type(node).__name__} at {_where(path)}")
+    raise AssertionError("check_values found a bad value that _locate did not")
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    """'records[0].time' style location of a value inside a message."""
+    out = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+    return out.lstrip(".") or "the top level"
 
 
 class FrameDecoder:
@@ -406,24 +478,3 @@ def check_welcome(welcome: Mapping[str, Any], auth: FrameAuth | None) -> None:
         proof = welcome.get("auth")
         if not isinstance(proof, bytes) or not hmac.compare_digest(proof, auth.welcome_proof()):
             raise AuthError("the relay's welcome has a wrong HMAC proof (different secret)")
-
-
-def validate_message(message: Mapping[str, Any]) -> None:
-    """Structural check of a data message (records/events/history) a relay accepts.
-
-    Raises ProtocolError when lists or items have the wrong shape or an item's rank/host
-    is not int/str (or None); other field values are not type-checked (a monitor must
-    tolerate None and unexpected types in any field). Unknown types pass.
-    """
-    kind = message["type"]
-    keys = {"records": ("records",), "events": ("events",), "history": ("records", "events")}
-    for key in keys.get(kind, ()):
-        items = message.get(key)
-        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise ProtocolError(f"'{kind}' message needs '{key}': a list of maps")
-        for item in items:
-            rank, host = item.get("rank"), item.get("host")
-            if not (rank is None or type(rank) is int) or not (host is None or type(host) is str):
-                raise ProtocolError(
-                    f"'{key}' items need an int 'rank' and a str 'host'; got {rank!r}, {host!r}"
-                )

@@ -55,7 +55,6 @@ from fsdpx.telemetry.protocol import (
     encode_frame,
     make_challenge,
     make_welcome,
-    validate_message,
 )
 from fsdpx.telemetry.transport import (
     DEFAULT_SECRET_ENV,
@@ -65,10 +64,12 @@ from fsdpx.telemetry.transport import (
     parse_address,
     read_secret,
 )
+from fsdpx.telemetry.validate import check_hello, validate_message
 
 HANDSHAKE_TIMEOUT_S = 10.0
 _RECV_BYTES = 1 << 18
 _DRAIN_READS = 64  # at most 16 MiB per connection taken in by stop()
+_MAX_REASON = 1000  # characters of an error's text sent to the peer and in its event
 
 
 @dataclass
@@ -369,6 +370,7 @@ class Relay:
     def _handle(self, conn: _Conn, message: dict[str, Any]) -> None:
         if conn.role is None:
             auth = accept_hello(message, conn.challenge, secret=self.secret)
+            check_hello(message)
             conn.role = message["role"]
             if conn.role != "monitor":
                 self._sources += 1
@@ -390,14 +392,20 @@ class Relay:
         kind = message["type"]
         if kind not in ("records", "events", "history"):
             return  # unknown types are ignored (forward compatible)
-        validate_message(message)
+        owner = (conn.identity["rank"], conn.identity["host"]) if conn.role == "rank" else None
+        validate_message(message, owner=owner)
         self.stats.frames_in += 1
         if kind in ("records", "history"):
             records = message.get("records") or []
             if records:
                 self.history.add_records(records)
                 self.stats.records_in += len(records)
-                conn.last_step = records[-1].get("step")
+                # The last int step: a record without one must not blank the step its
+                # connection's "disconnected" event reports.
+                for record in reversed(records):
+                    if type(record.get("step")) is int:
+                        conn.last_step = record["step"]
+                        break
         if kind in ("events", "history"):
             events = message.get("events") or []
             if events:
@@ -471,10 +479,14 @@ class Relay:
         self.stats.bad_connections += 1
         if type(exc).__name__ == "AuthError":
             self.stats.auth_failures += 1
-        if conn.role is None:  # tell a client that never got in why (best effort)
+        reason = str(exc)[:_MAX_REASON]
+        # Tell the client why, best effort: plain before its welcome, tagged after it like
+        # every frame; only at a frame boundary of our output and to a peer still reading.
+        if not conn.wire and not conn.output_dead:
             with contextlib.suppress(OSError, ProtocolError):
-                conn.sock.send(encode_frame({"type": "error", "reason": str(exc)}))
-        self._close(conn)
+                error = {"type": "error", "reason": reason}
+                conn.sock.send(encode_frame(error, auth=conn.auth))
+        self._close(conn, reason=f"rejected: {reason}")
 
     def _expire_handshakes(self) -> None:
         now = time.monotonic()
@@ -482,7 +494,7 @@ class Relay:
             if conn.role is None and now - conn.opened > HANDSHAKE_TIMEOUT_S:
                 self._reject(conn, ProtocolError("no hello within the handshake timeout"))
 
-    def _close(self, conn: _Conn) -> None:
+    def _close(self, conn: _Conn, reason: str = "connection closed before an exit event") -> None:
         fd = conn.sock.fileno()
         if fd < 0:
             return
@@ -500,7 +512,7 @@ class Relay:
                 "time": time.time(),
                 "kind": "disconnected",
                 "step": conn.last_step,
-                "detail": {"reason": "connection closed before an exit event"},
+                "detail": {"reason": reason},
             }
             self.history.add_events([event])
             self._forward(encode_frame({"type": "events", "events": [event]})[HEADER.size :])

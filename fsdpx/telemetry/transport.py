@@ -179,6 +179,10 @@ class Connection:
     def receive(self, *, timeout_s: float) -> list[dict[str, Any]]:
         """Messages that arrive within timeout_s ([] on timeout). Raises ConnectionError
         when the relay closed the connection, ProtocolError on a bad frame."""
+        # Frames that arrived with the welcome (a monitor's history) wait in the decoder:
+        # return them before reading, or they would wait for the next frame to come.
+        if buffered := self.decoder.feed(b""):
+            return buffered
         self.sock.settimeout(timeout_s)
         try:
             data = self.sock.recv(1 << 16)
@@ -219,7 +223,9 @@ def connect(
         role: "rank", "relay" or "monitor".
         secret: the shared secret when the relay requires one, else None.
         timeout_s: limit for connecting and for each handshake step.
-        hello_fields: rank, local_rank, host, pid, run_id for the hello message.
+        hello_fields: rank, local_rank, world_size, host, pid, run_id for the hello
+            message; host and pid default to this process's (socket.gethostname(),
+            os.getpid()).
     Returns:
         The Connection (its `welcome` holds the relay's welcome message).
     Raises:
@@ -234,7 +240,9 @@ def connect(
         deadline = time.monotonic() + timeout_s
         decoder = FrameDecoder()
         challenge = _receive_one(sock, decoder, deadline)
-        hello, auth = make_hello(challenge, role=role, secret=secret, **hello_fields)
+        # The relay requires host and pid in every hello (monitor/PROTOCOL.md).
+        identity = {"host": socket.gethostname(), "pid": os.getpid(), **hello_fields}
+        hello, auth = make_hello(challenge, role=role, secret=secret, **identity)
         sock.settimeout(timeout_s)
         sock.sendall(encode_frame(hello))
         welcome = _receive_one(sock, decoder, time.monotonic() + timeout_s)
