@@ -15,8 +15,10 @@ from typing import Any
 import msgpack
 import pytest
 
+from fsdpx.telemetry.history import History
 from fsdpx.telemetry.logfile import iter_log
 from fsdpx.telemetry.protocol import (
+    MAX_FRAME_BYTES,
     RECORD_FIELDS,
     FrameDecoder,
     ProtocolError,
@@ -240,3 +242,63 @@ def test_disconnected_reports_the_last_int_step(relay: Relay) -> None:
     assert (event["kind"], event["step"]) == ("disconnected", 4)
     assert event["detail"] == {"reason": "connection closed before an exit event"}
 
+
+def _largest_event(rank: int) -> dict[str, Any]:
+    """An exception event whose "events" frame body is exactly MAX_FRAME_BYTES."""
+    event: dict[str, Any] = {"rank": rank, "host": "h", "time": 1.0, "kind": "exception"}
+    event["step"] = 9
+    event["detail"] = {"type": "E", "message": "", "traceback": ""}
+    base = len(encode_frame({"type": "events", "events": [event]})) - 4
+    # str headers: 1 byte up to 31 chars, 5 bytes from 65,536 on.
+    event["detail"]["traceback"] = "x" * (MAX_FRAME_BYTES - base - 4)
+    assert len(encode_frame({"type": "events", "events": [event]})) - 4 == MAX_FRAME_BYTES
+    return event
+
+
+def test_a_legal_event_too_large_for_history_is_kept_as_a_stand_in(
+    relay: Relay, tmp_path: Path
+) -> None:
+    live = _Monitor(relay)
+    rank = _rank(relay, 0)
+    event = _largest_event(0)
+    rank.send({"type": "events", "events": [event]})
+    rank.send({"type": "events", "events": [{**event, "kind": "exit", "detail": "done"}]})
+    live.until(lambda _: len(live.items("events")) == 2)
+    assert live.items("events")[0] == event  # live: whole
+    late = _Monitor(relay)
+    late.until(lambda ms: any(m["type"] == "history" and not m["more"] for m in ms))
+    stand_in, done = late.items("events")
+    size = len(msgpack.packb(event))
+    assert stand_in == {
+        "rank": 0,
+        "host": "h",
+        "time": 1.0,
+        "kind": "exception",
+        "step": 9,
+        "detail": f"[left out of the relay's history: this event encodes to {size} bytes, "
+        "more than a history frame holds; the live frame and the relay's log have it whole]",
+        "truncated": size,
+    }
+    assert done["detail"] == "done" and relay.history.truncated == 1
+    rank.close()
+    live.conn.close()
+    late.conn.close()
+    relay.stop()
+    logged = [e for m in iter_log(tmp_path / "r.tlm") if m["type"] == "events" for e in m["events"]]
+    assert logged[0] == event  # the log: whole
+
+
+def test_history_stand_in_of_a_record_keeps_the_small_fields() -> None:
+    history = History(recent=4, sparse=0, max_events=4, max_ranks=4)
+    record = {**_record(2, 7), "loss": 0.5, "notes": "n" * MAX_FRAME_BYTES, "phase": 1.0}
+    history.add_records([record])
+    history.add_records([_record(2, 8)])
+    (body,) = history.frames()
+    stand_in, after = msgpack.unpackb(body)["records"]
+    size = len(msgpack.packb(record))
+    assert stand_in == {**_record(2, 7), "loss": 0.5, "phase": 1.0, "truncated": size}
+    assert after == _record(2, 8) and history.truncated == 1
+    huge_host = {**_record(3, 1), "host": "h" * MAX_FRAME_BYTES}
+    history.add_records([huge_host])  # a value of a known field too large: nil
+    stand_in = msgpack.unpackb(list(history.frames())[-1])["records"][-1]
+    assert stand_in["host"] is None and stand_in["step"] == 1

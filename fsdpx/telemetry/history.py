@@ -5,6 +5,8 @@ everything older (at most `sparse` records; when full, every other one is droppe
 the stride doubles), so a late monitor sees the whole run's curves, coarse, and the
 recent past in detail, in bounded memory. Records and events are kept msgpack-encoded
 (a third of the size of a dict) and spliced into "history" frames without re-encoding.
+An item too large for any history frame is kept as a small stand-in marked `truncated`
+(see [Note: oversized history items]).
 """
 
 from __future__ import annotations
@@ -15,9 +17,24 @@ from typing import Any
 
 import msgpack
 
-from fsdpx.telemetry.protocol import MAX_FRAME_BYTES
+from fsdpx.telemetry.protocol import EVENT_FIELDS, MAX_FRAME_BYTES, RECORD_FIELDS
 
 _PACKER_OVERHEAD = 64  # map header, keys, array headers of one history body
+_FRAME_LIMIT = MAX_FRAME_BYTES - 64  # room for a monitor connection's 32-byte HMAC tag
+MAX_ITEM_BYTES = _FRAME_LIMIT - _PACKER_OVERHEAD
+"""Largest encoded record or event that fits in a history frame; larger ones are kept
+as stand-ins (`truncated`)."""
+_STAND_IN_FIELD_BYTES = 1024  # a stand-in keeps a field only when it encodes this small
+_STAND_IN_BYTES = 16 << 10  # and only while the stand-in stays under this
+
+# [Note: oversized history items]
+# A legal frame (body up to 1 MiB) can hold one record or event that does not fit in
+# a history frame next to the history message's own keys and a monitor's HMAC tag
+# (e.g. an "exception" event with a ~1 MiB detail). It is forwarded live and logged
+# whole; history keeps a stand-in instead of leaving it out silently: the known fields
+# whose values are small (others nil), other small fields while the stand-in stays
+# under 16 KiB, `truncated` = the item's encoded size, and for an event whose detail
+# was left out a str detail saying so. Counted in History.truncated.
 
 
 class _RankHistory:
@@ -68,6 +85,8 @@ class History:
         self._ranks: dict[tuple[Any, Any], _RankHistory] = {}
         self._events: deque[bytes] = deque(maxlen=max_events)
         self._recent, self._sparse, self._max_ranks = recent, sparse, max_ranks
+        self.truncated = 0
+        """Items kept as stand-ins, see [Note: oversized history items]."""
 
     def add_records(self, records: list[dict[str, Any]]) -> None:
         for record in records:
@@ -77,20 +96,28 @@ class History:
                 if len(self._ranks) >= self._max_ranks:
                     continue
                 hist = self._ranks[key] = _RankHistory(self._recent, self._sparse)
-            hist.add(msgpack.packb(record, use_bin_type=True))
+            hist.add(self._pack(record, RECORD_FIELDS))
 
     def add_events(self, events: list[dict[str, Any]]) -> None:
         for event in events:
-            self._events.append(msgpack.packb(event, use_bin_type=True))
+            self._events.append(self._pack(event, EVENT_FIELDS))
+
+    def _pack(self, item: dict[str, Any], known: tuple[str, ...]) -> bytes:
+        packed = msgpack.packb(item, use_bin_type=True)
+        if len(packed) <= MAX_ITEM_BYTES:
+            return packed
+        self.truncated += 1
+        return msgpack.packb(_stand_in(item, known, len(packed)), use_bin_type=True)
 
     @property
     def num_ranks(self) -> int:
         return len(self._ranks)
 
-    def frames(self, limit: int = MAX_FRAME_BYTES - 64) -> Iterator[bytes]:
+    def frames(self, limit: int = _FRAME_LIMIT) -> Iterator[bytes]:
         """msgpack bodies of "history" messages, each under `limit` bytes; the last has
         more=False. Records are grouped by rank, each rank's in arrival order; events
-        come after all records. Always yields at least one (possibly empty) body."""
+        come after all records. Always yields at least one (possibly empty) body. With
+        the default limit every kept item fits (oversized ones are stand-ins)."""
         records = [r for hist in self._ranks.values() for r in hist]
         events = list(self._events)
         chunk_r: list[bytes] = []
@@ -99,7 +126,7 @@ class History:
         items = [(True, r) for r in records] + [(False, e) for e in events]
         for is_record, packed in items:
             if len(packed) + _PACKER_OVERHEAD > limit:
-                continue  # cannot fit any frame (a peer sent a huge record): skip it
+                continue  # only with a limit below the default (stand-ins fit that)
             if size + len(packed) > limit:
                 yield _history_body(chunk_r, chunk_e, more=True)
                 chunk_r, chunk_e, size = [], [], _PACKER_OVERHEAD
@@ -127,3 +154,26 @@ def _history_body(records: list[bytes], events: list[bytes], *, more: bool) -> b
     body = b"".join(parts)
     assert len(body) <= MAX_FRAME_BYTES, len(body)
     return body
+
+
+def _stand_in(item: dict[str, Any], known: tuple[str, ...], size: int) -> dict[str, Any]:
+    """A small copy of an item too large for a history frame, see
+    [Note: oversized history items]."""
+    out: dict[str, Any] = {}
+    budget = _STAND_IN_BYTES
+    known_set = set(known)
+    for name in (*known, *(k for k in item if k not in known_set)):
+        value = item.get(name)
+        cost = len(msgpack.packb(name)) + len(msgpack.packb(value, use_bin_type=True))
+        if cost <= min(_STAND_IN_FIELD_BYTES, budget):
+            out[name] = value
+            budget -= cost
+        elif name in known_set:
+            out[name] = None
+    if "detail" in known_set and out["detail"] is None and item.get("detail") is not None:
+        out["detail"] = (
+            f"[left out of the relay's history: this event encodes to {size} bytes, more "
+            "than a history frame holds; the live frame and the relay's log have it whole]"
+        )
+    out["truncated"] = size
+    return out
