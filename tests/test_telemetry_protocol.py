@@ -199,6 +199,20 @@ def test_log_survives_a_truncated_tail(tmp_path: Path) -> None:
         list(iter_log(path))
 
 
+def test_log_reading_stops_at_a_bad_frame_keeping_those_before(tmp_path: Path) -> None:
+    # A log written by a relay that let a msgpack timestamp in: reading keeps every
+    # message before that frame (all in one decompressed chunk) and stops there.
+    path = tmp_path / "old.tlm"
+    bad = msgpack.packb({"type": "records", "records": [{"time": msgpack.Timestamp(1, 0)}]})
+    with open_log_writer(path, flush_interval_s=0.0) as log:
+        for step in range(3):
+            log.write_message({"type": "records", "records": [{"step": step}]})
+        log.write_frame(struct.pack(">I", len(bad)) + bad)
+        log.write_message({"type": "records", "records": [{"step": 3}]})
+    steps = [r["step"] for m in iter_log(path) if m["type"] == "records" for r in m["records"]]
+    assert steps == [0, 1, 2]
+
+
 # --- a running relay under garbage -----------------------------------------------------
 
 

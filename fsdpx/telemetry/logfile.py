@@ -160,7 +160,11 @@ def iter_log(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 except zstandard.ZstdError:
                     return  # corrupt tail: keep what was whole
                 try:
-                    yield from decoder.feed(data)
+                    decoder.push(data)
+                    # One message at a time: a bad frame (e.g. a msgpack timestamp a
+                    # relay before the validation walk let in) keeps every one before it.
+                    while (message := decoder.next_message()) is not None:
+                        yield message
                 except ProtocolError:
                     return
                 # A session's zstd frame ended: the next one (a later session) follows.
