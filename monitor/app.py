@@ -211,7 +211,7 @@ class MonitorApp(App[None]):
             self._show_run_events()
         elif events := by_run.get(shown):
             self.events_log.add(events, self.model.first_time)
-        if len(self.runs) != known:
+        if len(self.runs) != known and self.screen_stack:  # (none left while shutting down)
             self.refresh_bindings()  # the run keys appear with a second run
 
     def _show_run_events(self) -> None:

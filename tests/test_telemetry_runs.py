@@ -5,6 +5,7 @@ run id, the relay's history and the monitor's state never mix runs, old logs sti
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from fsdpx.telemetry.history import History
 from fsdpx.telemetry.logfile import iter_log, open_log_writer
 from fsdpx.telemetry.relay import Relay
 from fsdpx.telemetry.runs import RunIdentity, default_job, new_run_id
+from fsdpx.telemetry.transport import connect
 from monitor.cli import main as monitor_main
 from monitor.export import export_csv
 from monitor.runs import RunBook
@@ -105,6 +107,25 @@ def _record(run: str | None, rank: int, step: int, **kw: Any) -> dict[str, Any]:
     if run is not None:
         rec["run_id"] = run
     return rec
+
+
+def test_relay_names_the_run_of_a_rank_that_disconnected(tmp_path: Path) -> None:
+    relay = Relay(str(tmp_path / "r.sock"), log_path=tmp_path / "r.tlm")
+    address = relay.bind()
+    relay.start_thread()
+    try:
+        rank = connect(
+            address, role="rank", secret=None, timeout_s=5, rank=3, host="h", pid=1, run_id="r1"
+        )
+        rank.close()  # gone without an exit event
+        deadline = time.monotonic() + 60  # (only turns a hang into a failure)
+        while relay.stats.accepted < 1 or relay._conns:
+            assert time.monotonic() < deadline, relay.stats
+            time.sleep(0.01)
+    finally:
+        relay.stop()
+    events = [e for m in iter_log(tmp_path / "r.tlm") if m["type"] == "events" for e in m["events"]]
+    assert [(e["kind"], e["rank"], e["run_id"]) for e in events] == [("disconnected", 3, "r1")]
 
 
 def test_relay_history_keeps_runs_apart_and_bounded() -> None:
