@@ -146,12 +146,14 @@ class RunBook:
         index = ids.index(run_id) + 1 if run_id in self._models else 0
         info = self.info(run_id)
         text = f"run {index}/{len(ids)} {run_id or '(no run id)'}"
-        notes = []
-        earlier = ids[: max(0, index - 1)]
         if info.job is not None:
             text += f" job {info.job}"
-            if any(self.info(r).job == info.job for r in earlier):
-                notes.append("resume")
-        if info.first_step is not None and info.first_step > 1:
+        # A resume: a later run of a job seen before, or a run that did not start at step
+        # 1 (it loaded a checkpoint; without a job name that is all there is to go on).
+        earlier = ids[: max(0, index - 1)]
+        same_job = info.job is not None and any(self.info(r).job == info.job for r in earlier)
+        later_step = info.first_step is not None and info.first_step > 1
+        notes = ["resume"] if same_job or later_step else []
+        if later_step:
             notes.append(f"from step {info.first_step}")
         return text + (f" ({', '.join(notes)})" if notes else "")

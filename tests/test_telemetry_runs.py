@@ -150,7 +150,7 @@ def test_monitor_runs_reset_state_and_old_records_are_one_run() -> None:
     assert snap.loss_curve == [(5, 3.0)]
     assert snap.summary.elapsed_s == pytest.approx(2.0)  # from run b's start, not run a's
     assert Flag.ERROR in book.model("a").snapshot(14.0).rows[0].flags
-    assert book.label("b") == "run 2/2 b (from step 5)"
+    assert book.label("b") == "run 2/2 b (resume, from step 5)"
 
     legacy = RunBook(MonitorSettings())
     legacy.add_records([_record(None, r, 1) for r in range(3)] + [None], now=1.0)
