@@ -502,7 +502,8 @@ class TelemetryConfig:
     job: str | None = None
     """The job's name, the same for every launch of it (a resume into the same log is a
     later run of the same job). None: torchrun's rendezvous id (TORCHELASTIC_RUN_ID)
-    when it has one, else no name."""
+    when it has one (`--rdzv-id`; with --standalone a fresh one per torchrun command,
+    shared by its elastic restarts), else no name."""
     total_steps: int | None = None
     """Optimizer steps the run will take, sent in the start event so the monitor can show
     an ETA; None: scheduler.total_num_steps when the schedule has one."""

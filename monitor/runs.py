@@ -147,7 +147,10 @@ class RunBook:
         info = self.info(run_id)
         text = f"run {index}/{len(ids)} {run_id or '(no run id)'}"
         if info.job is not None:
-            text += f" job {info.job}"
+            # torchrun --standalone's rendezvous id is a 36-character uuid: keep the bar
+            # readable (export has the whole name).
+            job = info.job if len(info.job) <= 24 else info.job[:8] + "…"
+            text += f" job {job}"
         # A resume: a later run of a job seen before, or a run that did not start at step
         # 1 (it loaded a checkpoint; without a job name that is all there is to go on).
         earlier = ids[: max(0, index - 1)]

@@ -154,6 +154,10 @@ def test_monitor_runs_reset_state_and_old_records_are_one_run() -> None:
 
     legacy = RunBook(MonitorSettings())
     legacy.add_records([_record(None, r, 1) for r in range(3)] + [None], now=1.0)
+    long_job = RunBook(MonitorSettings())
+    long_job.add_records([_record("c", 0, 1, job="cd623b4b-6c8f-454f-8a0d-9330c874da62")], None)
+    assert long_job.label("c") == "run 1/1 c job cd623b4b…"
+
     assert legacy.run_ids == [None] and legacy.model(None).bad_records == 1
     assert len(legacy.model(None).snapshot(1.0).rows) == 3
 
