@@ -494,7 +494,16 @@ class TelemetryConfig:
     """Environment variable holding the shared secret (HMAC) for relays that require
     one; the secret itself is never part of a config file."""
     run_id: str | None = None
-    """A name for this run, sent in each rank's hello (shown by the monitor)."""
+    """This launch's run id, carried by every record and event (the monitor's run
+    selector, `fsdpx-monitor export --run`). None: global rank 0 makes one (UTC start
+    time + random bits) and shares it with every rank. A value you set must differ per
+    launch (e.g. your scheduler's job id and restart count): two launches with one id
+    are shown as one run. See fsdpx/telemetry/runs.py [Note: run identity]."""
+    job: str | None = None
+    """The job's name, the same for every launch of it (a resume into the same log is a
+    later run of the same job). None: torchrun's rendezvous id (TORCHELASTIC_RUN_ID)
+    when it has one (`--rdzv-id`; with --standalone a fresh one per torchrun command,
+    shared by its elastic restarts), else no name."""
     total_steps: int | None = None
     """Optimizer steps the run will take, sent in the start event so the monitor can show
     an ETA; None: scheduler.total_num_steps when the schedule has one."""

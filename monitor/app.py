@@ -4,6 +4,10 @@ Data flow: workers (RelayClient per relay, or the log loader) post messages
 (monitor/messages.py); handlers feed the `MonitorModel` (cheap per record); a timer takes
 a `Snapshot` a few times a second and hands it to the widgets, which draw only what is on
 screen. Nothing is drawn per record (see monitor/model.py [Note: cost per record]).
+
+Runs are kept apart (monitor/runs.py): each has its own model, the screen shows one
+(the newest unless the user picked another with `p` / `n`), and the summary bar names it
+when there is anything to tell apart (a run id, or more than one run).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from monitor.messages import ConnectionChanged, ReplayLoaded, TelemetryBatch
 from monitor.model import MonitorModel, MonitorSettings, Snapshot
 from monitor.receiver import Batch, RelayClient
 from monitor.replay import ReplayPlayer, ReplayStep, load_log
+from monitor.runs import RunBook
 from monitor.screens.rank_detail import RankDetailScreen
 from monitor.table_view import fmt_duration
 from monitor.widgets.curves import Curves
@@ -63,6 +68,8 @@ class MonitorApp(App[None]):
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("slash", "filter", "filter"),
         Binding("o", "outliers", "outliers"),
+        Binding("p", "run(-1)", "prev run"),
+        Binding("n", "run(1)", "next run"),
         Binding("escape", "clear_filter", "clear", show=False),
         Binding("space", "pause", "pause", priority=True),
         Binding("left", "seek(-10)", "-10s", priority=True),
@@ -96,7 +103,10 @@ class MonitorApp(App[None]):
             parse_address(address)  # a ValueError naming the bad address, before any I/O
         if refresh_hz <= 0:
             raise ValueError(f"refresh_hz must be > 0; got {refresh_hz}")
-        self.model = MonitorModel(settings or MonitorSettings())
+        self.runs = RunBook(settings or MonitorSettings())
+        self.pinned_run: str | None = None
+        """The run the user picked with p/n; None with `follow_newest`."""
+        self.follow_newest = True
         self.sources = list(sources)
         self.replay_path = None if replay is None else Path(replay)
         self.secret = secret
@@ -174,12 +184,39 @@ class MonitorApp(App[None]):
             )
         )
 
+    @property
+    def shown_run(self) -> str | None:
+        """The run on screen: the newest unless the user picked one."""
+        runs = self.runs
+        if self.follow_newest or self.pinned_run not in runs:  # (a pinned run forgotten)
+            return runs.newest
+        return self.pinned_run
+
+    @property
+    def model(self) -> MonitorModel:
+        """The shown run's model."""
+        return self.runs.model(self.shown_run)
+
     def on_telemetry_batch(self, message: TelemetryBatch) -> None:
+        shown, known = self.shown_run, len(self.runs)
         # Records first: a batch's events (an exit) come after its records.
-        self.model.add_records(message.records, now=message.received_at)
-        self.model.add_events(message.events)
-        if message.events:
-            self.events_log.add(message.events, self.model.first_time)
+        self.runs.add_records(message.records, now=message.received_at)
+        by_run = self.runs.add_events(message.events)
+        self._events_arrived(shown, known, by_run)
+
+    def _events_arrived(
+        self, shown: str | None, known: int, by_run: dict[str | None, list[Any]]
+    ) -> None:
+        if self.shown_run != shown:  # a new run arrived and is followed: show it whole
+            self._show_run_events()
+        elif events := by_run.get(shown):
+            self.events_log.add(events, self.model.first_time)
+        if len(self.runs) != known and self.screen_stack:  # (none left while shutting down)
+            self.refresh_bindings()  # the run keys appear with a second run
+
+    def _show_run_events(self) -> None:
+        model = self.model
+        self.events_log.reset(model.events, model.first_time)
 
     def on_connection_changed(self, message: ConnectionChanged) -> None:
         self._connections[message.source] = message.detail or (
@@ -218,15 +255,15 @@ class MonitorApp(App[None]):
         self._last_tick = tick
 
     def _apply(self, step: ReplayStep) -> None:
-        events = self.events_log
         if step.reset:
-            self.model.clear()
-        self.model.add_records(step.records, now=None)
-        self.model.add_events(step.events)
+            self.runs.clear()
+        shown, known = self.shown_run, len(self.runs)
+        self.runs.add_records(step.records, now=None)
+        by_run = self.runs.add_events(step.events)
         if step.reset:
-            events.reset(self.model.events, self.model.first_time)
-        elif step.events:
-            events.add(step.events, self.model.first_time)
+            self._show_run_events()
+        else:
+            self._events_arrived(shown, known, by_run)
 
     # --- data out -----------------------------------------------------------------
 
@@ -247,6 +284,13 @@ class MonitorApp(App[None]):
             self.screen.show(snap, self.model)
 
     def _source_text(self) -> str:
+        runs = self.runs
+        source = self._connection_text()
+        if len(runs) > 1 or runs.newest is not None:  # something to tell apart
+            return f"{runs.label(self.shown_run)}  {source}"
+        return source
+
+    def _connection_text(self) -> str:
         if self.player is not None:
             p = self.player
             name = self.replay_path.name if self.replay_path is not None else "log"
@@ -265,7 +309,19 @@ class MonitorApp(App[None]):
         if action in ("pause", "seek", "speed"):
             # Replay keys exist only in a replay, and never steal keys from the filter box.
             return self.player is not None and not isinstance(self.focused, Input)
+        if action == "run":
+            return len(self.runs) > 1 and not isinstance(self.focused, Input)
         return True
+
+    def action_run(self, direction: int) -> None:
+        """Show the previous (-1) or next (+1) run; past the newest, follow new runs."""
+        ids = self.runs.run_ids
+        at = ids.index(self.shown_run) if self.shown_run in self.runs else len(ids) - 1
+        target = min(len(ids) - 1, max(0, at + direction))
+        self.follow_newest = target == len(ids) - 1
+        self.pinned_run = None if self.follow_newest else ids[target]
+        self._show_run_events()
+        self.refresh_view()
 
     def action_pause(self) -> None:
         assert self.player is not None

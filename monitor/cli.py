@@ -2,7 +2,8 @@
 
     fsdpx-monitor [ADDR ...]                 watch relays live (default: this node's relay)
     fsdpx-monitor replay RUN.tlm             replay a relay's log (space, arrows, [ ])
-    fsdpx-monitor export RUN.tlm --csv DIR   one CSV row per rank-step (+ events.csv)
+    fsdpx-monitor export RUN.tlm --csv DIR   one CSV row per run-rank-step (+ events.csv)
+                                             (--run RUN: one run of the log)
     fsdpx-monitor export RUN.tlm --tensorboard DIR   TensorBoard event files per rank
 
 ADDR: a Unix socket path or host:port (monitor/PROTOCOL.md). A relay started with a
@@ -86,6 +87,13 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     export.add_argument("log", type=Path, metavar="RUN.tlm")
     export.add_argument("--csv", type=Path, metavar="DIR", help="write records.csv, events.csv")
     export.add_argument("--tensorboard", type=Path, metavar="DIR", help="write event files")
+    export.add_argument(
+        "--run",
+        metavar="RUN",
+        help="export only this run id (a log can hold several: a resume, or a relay that "
+        "outlived a job); '' picks records written without a run id. Default: every run, "
+        "told apart by the run_id column",
+    )
     return {"live": live, "replay": replay, "export": export}
 
 
@@ -185,12 +193,12 @@ def _export(args: argparse.Namespace) -> int:
         return _error(prog, problem)
     try:
         if args.csv is not None:
-            for path in export_csv(args.log, args.csv):
+            for path in export_csv(args.log, args.csv, run=args.run):
                 print(f"wrote {path}")
         if args.tensorboard is not None:
-            dirs = export_tensorboard(args.log, args.tensorboard)
+            dirs = export_tensorboard(args.log, args.tensorboard, run=args.run)
             print(f"wrote TensorBoard event files for {len(dirs)} ranks under {args.tensorboard}")
-    except MissingDependency as exc:
+    except (MissingDependency, ValueError) as exc:  # ValueError: an unknown --run
         return _error(prog, str(exc))
     except OSError as exc:
         return _error(prog, f"{exc.filename}: {exc.strerror}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -66,3 +67,45 @@ def train_with_and_without_telemetry(
             out["comm_bytes"] = pub._meter.comm_bytes_per_step
         dist.barrier()
     return out
+
+
+RUNS_STEPS = 4
+
+
+def two_runs_into_one_relay(rank: int, world_size: int, relay: str) -> list[str]:
+    """Two launches of one job on these ranks, one after the other, into one relay: each
+    agrees on its run id as `fsdpx.shard` does (start.agree_run) and publishes RUNS_STEPS
+    steps through a real Publisher. Returns this rank's run ids, in launch order."""
+    from fsdpx.config import TelemetryConfig
+    from fsdpx.distributed import DistInfo
+    from fsdpx.engine import StepResult
+    from fsdpx.telemetry.publisher import Publisher
+    from fsdpx.telemetry.start import agree_run
+
+    cfg = TelemetryConfig(
+        enabled=True, relay=relay, start_relay=False, poll_interval_s=0.02, job="nightly"
+    )
+    info = DistInfo(rank, world_size, rank, torch.device("cpu"))
+    model = torch.nn.Linear(2, 1)
+    engine = types.SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    run_ids = []
+    for launch in range(2):
+        run = agree_run(cfg, info)
+        pub = Publisher(
+            cfg,
+            rank=rank,
+            local_rank=rank,
+            world_size=world_size,
+            device=torch.device("cpu"),
+            install_hooks=False,
+            run=run,
+        )
+        for step in range(1, RUNS_STEPS + 1):
+            pub.observe_loss(torch.tensor(float(10 * launch + step)))
+            pub.on_step(engine, StepResult(step, False, None, 1.0))
+        if launch == 0:
+            pub.record_exception(RuntimeError("first launch failed"), step=RUNS_STEPS)
+        pub.close(reason="exception" if launch == 0 else "closed")
+        run_ids.append(run.run_id)
+        dist.barrier()
+    return run_ids

@@ -12,7 +12,14 @@ import pytest
 from fsdpx.telemetry.logfile import open_log_writer
 from fsdpx.telemetry.protocol import EVENT_FIELDS, RECORD_FIELDS
 from monitor.cli import main as monitor_main
-from monitor.export import TENSORBOARD_MISSING, MissingDependency, export_csv, export_tensorboard
+from monitor.export import (
+    EVENT_COLUMNS,
+    RECORD_COLUMNS,
+    TENSORBOARD_MISSING,
+    MissingDependency,
+    export_csv,
+    export_tensorboard,
+)
 from monitor.synthetic import SyntheticRun
 
 LOG = Path(__file__).parent / "data" / "monitor" / "run.tlm"
@@ -27,7 +34,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_csv_has_one_row_per_rank_step(tmp_path: Path) -> None:
     records_csv, events_csv = export_csv(LOG, tmp_path / "out")
     rows = read_csv(records_csv)
-    assert list(rows[0]) == list(RECORD_FIELDS)
+    # The run first (the key rows are told apart by), then every other record field.
+    assert list(rows[0]) == list(RECORD_COLUMNS) and set(RECORD_COLUMNS) == set(RECORD_FIELDS)
     # 12 ranks x 80 steps, minus rank 9's steps 21..80 (it stopped publishing).
     assert len(rows) == 12 * 80 - 60
     assert len({(r["rank"], r["step"]) for r in rows}) == len(rows)
@@ -40,7 +48,7 @@ def test_csv_has_one_row_per_rank_step(tmp_path: Path) -> None:
     assert got["loss_scale"] == "" and got["skipped"] == "False"
     assert math.isnan(float(by_key[(7, 40)]["loss"]))
     events = read_csv(events_csv)
-    assert list(events[0]) == list(EVENT_FIELDS)
+    assert list(events[0]) == list(EVENT_COLUMNS) and set(EVENT_COLUMNS) == set(EVENT_FIELDS)
     kinds = [e["kind"] for e in events]
     assert kinds.count("start") == 12 and kinds.count("exit") == 11
     assert kinds.count("checkpoint_saved") == 1

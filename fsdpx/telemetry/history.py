@@ -1,12 +1,16 @@
 """The relay's bounded memory of the run, sent to monitors that join late.
 
-Per (host, rank): the last `recent` records at full resolution plus a thinned record of
+Per (run, host, rank): the last `recent` records at full resolution plus a thinned record of
 everything older (at most `sparse` records; when full, every other one is dropped and
 the stride doubles), so a late monitor sees the whole run's curves, coarse, and the
 recent past in detail, in bounded memory. Records and events are kept msgpack-encoded
 (a third of the size of a dict) and spliced into "history" frames without re-encoding.
 An item too large for any history frame is kept as a small stand-in marked `truncated`
 (see [Note: oversized history items]).
+
+Runs are kept apart (a relay can outlive a job: fsdpx/telemetry/runs.py [Note: run
+identity]): a rank's records of two runs never share one history, and only the newest
+`max_runs` runs are remembered, so a relay serving job after job stays bounded.
 """
 
 from __future__ import annotations
@@ -70,8 +74,10 @@ class History:
         recent: records per rank kept at full resolution.
         sparse: older records per rank kept, thinned.
         max_events: events kept (oldest dropped).
-        max_ranks: distinct (host, rank) keys kept; records of further keys are
+        max_ranks: distinct (run, host, rank) keys kept; records of further keys are
             forwarded live but not remembered.
+        max_runs: runs kept (by first arrival); a new run beyond it evicts the oldest
+            run's records (its events stay until the event list drops them).
 
     Example::
 
@@ -81,22 +87,36 @@ class History:
             send(body)
     """
 
-    def __init__(self, *, recent: int, sparse: int, max_events: int, max_ranks: int) -> None:
-        self._ranks: dict[tuple[Any, Any], _RankHistory] = {}
+    def __init__(
+        self, *, recent: int, sparse: int, max_events: int, max_ranks: int, max_runs: int = 4
+    ) -> None:
+        self._ranks: dict[tuple[Any, Any, Any], _RankHistory] = {}
+        self._runs: dict[Any, None] = {}  # run ids in order of first arrival
         self._events: deque[bytes] = deque(maxlen=max_events)
         self._recent, self._sparse, self._max_ranks = recent, sparse, max_ranks
         self.truncated = 0
         """Items kept as stand-ins, see [Note: oversized history items]."""
+        self._max_runs = max_runs
 
     def add_records(self, records: list[dict[str, Any]]) -> None:
         for record in records:
-            key = (record.get("host"), record.get("rank"))
+            run = record.get("run_id")
+            key = (run, record.get("host"), record.get("rank"))
             hist = self._ranks.get(key)
             if hist is None:
+                if run not in self._runs:
+                    self._new_run(run)
                 if len(self._ranks) >= self._max_ranks:
                     continue
                 hist = self._ranks[key] = _RankHistory(self._recent, self._sparse)
             hist.add(self._pack(record, RECORD_FIELDS))
+
+    def _new_run(self, run: Any) -> None:
+        self._runs[run] = None
+        while len(self._runs) > self._max_runs:
+            oldest = next(iter(self._runs))
+            del self._runs[oldest]
+            self._ranks = {k: h for k, h in self._ranks.items() if k[0] != oldest}
 
     def add_events(self, events: list[dict[str, Any]]) -> None:
         for event in events:
@@ -112,6 +132,11 @@ class History:
     @property
     def num_ranks(self) -> int:
         return len(self._ranks)
+
+    @property
+    def runs(self) -> list[Any]:
+        """Run ids whose records are kept, oldest first (None: records without one)."""
+        return list(self._runs)
 
     def frames(self, limit: int = _FRAME_LIMIT) -> Iterator[bytes]:
         """msgpack bodies of "history" messages, each under `limit` bytes; the last has

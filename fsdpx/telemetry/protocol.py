@@ -77,10 +77,14 @@ RECORD_FIELDS: tuple[str, ...] = (
     "mfu",
     "comm_bytes",
     "dropped",
+    "run_id",
+    "job",
 )
 """Keys of a per-step record, in this order; every key is present, None where unknown.
 Units: time in Unix seconds, memory and comm_bytes in bytes, device_util in percent
-(0-100), mfu as a fraction (0-1), dropped = records this rank lost so far."""
+(0-100), mfu as a fraction (0-1), dropped = records this rank lost so far. `run_id` and
+`job` say which launch and job (fsdpx/telemetry/runs.py); readers treat a record without
+them (older publishers) as part of one unnamed run."""
 
 EVENT_KINDS: tuple[str, ...] = (
     "start",
@@ -91,10 +95,10 @@ EVENT_KINDS: tuple[str, ...] = (
     "exit",
     "disconnected",
 )
-"""Event kinds. An event is {rank, host, time, kind, step, detail: str | dict}.
+"""Event kinds. An event is {rank, host, time, kind, step, detail: str | dict, run_id}.
 "disconnected" is made by the relay when a rank's connection closes without an "exit"."""
 
-EVENT_FIELDS: tuple[str, ...] = ("rank", "host", "time", "kind", "step", "detail")
+EVENT_FIELDS: tuple[str, ...] = ("rank", "host", "time", "kind", "step", "detail", "run_id")
 
 _HELLO_LABEL = b"fsdpx-telemetry-v1 hello"
 _SESSION_LABEL = b"fsdpx-telemetry-v1 session"

@@ -56,6 +56,7 @@ from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
 from fsdpx.telemetry.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
 from fsdpx.telemetry.relay import Relay
+from fsdpx.telemetry.runs import RunIdentity
 from fsdpx.telemetry.transport import Connection, connect, open_socket, parse_address, read_secret
 
 log = logging.getLogger("fsdpx.telemetry")
@@ -118,6 +119,9 @@ class Publisher:
         install_hooks: chain sys.excepthook (exception event) and register atexit
             (exit event, final flush); both are undone by close().
         total_steps: the run's length, sent in the start event (the monitor's ETA).
+        run: this launch's run id and job, the same on every rank (start.py agrees on
+            them); None: from the config, a fresh run id when it names none (right for
+            a one-process job only). See fsdpx/telemetry/runs.py [Note: run identity].
 
     Example::
 
@@ -141,8 +145,12 @@ class Publisher:
         compiled: bool = False,
         install_hooks: bool = True,
         total_steps: int | None = None,
+        run: RunIdentity | None = None,
     ) -> None:
         self.cfg = cfg
+        if run is None:
+            run = RunIdentity.for_launch(cfg.run_id, cfg.job, env=os.environ)
+        self.run = run
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.device = device
@@ -180,7 +188,7 @@ class Publisher:
             sys.excepthook = self._excepthook
             atexit.register(self.close)
         self._hooks = install_hooks
-        start: dict[str, Any] = {"world_size": world_size, "device": str(device)}
+        start: dict[str, Any] = {"world_size": world_size, "device": str(device), "job": run.job}
         if total_steps is not None:  # the monitor's ETA
             start["total_steps"] = total_steps
         self.event("start", step=0, detail=start)
@@ -273,6 +281,7 @@ class Publisher:
                 "kind": kind,
                 "step": step,
                 "detail": _plain(detail),
+                "run_id": self.run.run_id,
             }
         )
 
@@ -406,7 +415,8 @@ class Publisher:
                 world_size=self.world_size,
                 host=self.host,
                 pid=self.pid,
-                run_id=self.cfg.run_id,
+                run_id=self.run.run_id,
+                job=self.run.job,
             )
         except (OSError, ProtocolError) as exc:
             self._retry_at = time.monotonic() + self._backoff
@@ -494,5 +504,7 @@ class Publisher:
             mfu=tflops / self._peak if tflops is not None and self._peak else None,
             comm_bytes=self._meter.comm_bytes_per_step,
             dropped=self.dropped,
+            run_id=self.run.run_id,
+            job=self.run.job,
         )
         return record

@@ -374,7 +374,7 @@ class Relay:
             conn.role = message["role"]
             if conn.role != "monitor":
                 self._sources += 1
-            conn.identity = {k: message.get(k) for k in ("role", "rank", "host", "pid")}
+            conn.identity = {k: message.get(k) for k in ("role", "rank", "host", "pid", "run_id")}
             welcome = make_welcome(auth, host=socket.gethostname(), pid=os.getpid())
             self._queue(conn, encode_frame(welcome)[HEADER.size :], keep=True)
             conn.auth = conn.decoder.auth = auth  # later frames, both ways, are tagged
@@ -513,6 +513,7 @@ class Relay:
                 "kind": "disconnected",
                 "step": conn.last_step,
                 "detail": {"reason": reason},
+                "run_id": conn.identity.get("run_id"),  # the run the rank's hello named
             }
             self.history.add_events([event])
             self._forward(encode_frame({"type": "events", "events": [event]})[HEADER.size :])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fsdpx.config import Config
+from fsdpx.config import Config, TelemetryConfig
+from fsdpx.telemetry.runs import RunIdentity
 
 if TYPE_CHECKING:
     from fsdpx.distributed import DistInfo
@@ -46,4 +49,23 @@ def start_telemetry(
         param_dtype=cfg.precision.param_dtype,
         compiled=cfg.compile,
         total_steps=cfg.telemetry.total_steps or cfg.scheduler.total_num_steps,
+        run=agree_run(cfg.telemetry, info),
     )
+
+
+def agree_run(cfg: TelemetryConfig, info: DistInfo) -> RunIdentity:
+    """This launch's run id and job, the same on every rank (fsdpx/telemetry/runs.py).
+
+    Global rank 0 resolves them (a fresh run id unless `telemetry.run_id` is set) and
+    broadcasts them: one small collective at start, so ranks agree without relying on
+    a launcher's environment, and a second engine in the same job gets a new run id.
+    Every rank calls this (as every rank calls `fsdpx.shard`).
+    """
+    run = RunIdentity.for_launch(cfg.run_id, cfg.job, env=os.environ)
+    if info.world_size > 1 and dist.is_initialized():
+        box: list[RunIdentity | None] = [run if info.rank == 0 else None]
+        # On the training device: a cuda:nccl,cpu:gloo or nccl-only group both take it.
+        dist.broadcast_object_list(box, src=0, device=torch.device(info.device))
+        assert box[0] is not None
+        run = box[0]
+    return run
