@@ -149,3 +149,16 @@ def world_one_check() -> None:
         assert "This rank failed earlier with KeyError: 'missing key'" in str(caught), caught
     dist.destroy_process_group()
     print("world-one ok")
+
+
+def killed_peer_body(rank: int, world_size: int, marks: str) -> None:
+    """Rank FAIL_RANK is SIGKILLed between two collectives (no model: fast); the other
+    ranks' all_reduce then fails and each raises RankFailureError."""
+    from fsdpx.distributed import init_distributed
+
+    init_distributed(fsdpx.Config(timeout_s=60))  # reuses the group; announces this process
+    dist.barrier()
+    if rank == FAIL_RANK:
+        _fail("sigkill", Path(marks))
+    with failure_guard():
+        dist.all_reduce(torch.ones(4))  # rank FAIL_RANK never joins: its sockets close
