@@ -286,7 +286,8 @@ def _peer_failure_error(exc: BaseException) -> RankFailureError:
         if what.startswith(f"{_VANISHED}: "):
             return RankFailureError(
                 f"{what.removeprefix(f'{_VANISHED}: ')}. It was probably killed (SIGKILL, "
-                f"the out-of-memory killer) or called os._exit. Rank {me} stops too (its "
+                "the out-of-memory killer), called os._exit, or failed outside an fsdpx "
+                f"engine call. Rank {me} stops too (its "
                 f"collective failed: {_first_line(exc)}). Look in rank {rank}'s output and "
                 "the kernel log (dmesg) for why it ended.",
                 failed_rank=rank,

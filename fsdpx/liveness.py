@@ -5,8 +5,8 @@ peer that was killed without a word (see [Note: rank failure] in fsdpx/distribut
 A rank killed outright (SIGKILL, the OOM killer, os._exit) records no error, and gloo's
 message on its peers names only a socket address. At start-up (`init_distributed`) every
 rank therefore appends "rank,pid,start;" to one store key per process namespace: the
-kernel's boot id plus the inode of /proc/self/ns/pid, so two ranks share a key exactly
-when they can see each other's pids (same host, same container). `start` is the process
+kernel's boot id plus the inode of /proc/self/ns/pid (plus the user id), so two ranks
+share a key exactly when they can see each other's pids (same host, same container). `start` is the process
 start time from /proc/<pid>/stat, so a pid the kernel has since reused for another
 process is not taken for the rank.
 
@@ -53,10 +53,14 @@ class RankProcess:
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time) of a process, or None when there is no such process."""
+    """(state letter, start time) of a process, or None when there is no such process.
+
+    Raises OSError or ValueError when /proc cannot tell (no /proc, no permission, an
+    unexpected format): that is no evidence either way.
+    """
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):  # the latter: it exited mid-read
         return None
     # Fields after the parenthesised command name (which may hold spaces or parentheses):
     # field 3 (state) is the first, field 22 (starttime) the 20th.
@@ -72,7 +76,10 @@ def _namespace_key() -> str | None:
         pid_ns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
-    return _PREFIX + hashlib.sha256(f"{boot}:{pid_ns}".encode()).hexdigest()[:16]
+    # The user too: /proc mounted with hidepid=2 hides other users' processes, which
+    # would then look gone.
+    ident = f"{boot}:{pid_ns}:{os.getuid()}"
+    return _PREFIX + hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def announce(store: dist.Store, rank: int) -> None:
@@ -83,7 +90,10 @@ def announce(store: dist.Store, rank: int) -> None:
         rank: this process's rank in the default group.
     """
     key = _namespace_key()
-    stat = _proc_stat(os.getpid())
+    try:
+        stat = _proc_stat(os.getpid())
+    except (OSError, ValueError, IndexError):
+        stat = None
     if key is None or stat is None:
         return
     # Store.append (atomic on TCPStore, FileStore, HashStore and PrefixStore) is missing
@@ -93,7 +103,10 @@ def announce(store: dist.Store, rank: int) -> None:
 
 def is_gone(proc: RankProcess) -> bool:
     """Whether the announced process has ended (gone, a zombie, or its pid reused)."""
-    stat = _proc_stat(proc.pid)
+    try:
+        stat = _proc_stat(proc.pid)
+    except (OSError, ValueError, IndexError):
+        return False  # /proc cannot tell: never name a rank without evidence
     return stat is None or stat[0] in ("Z", "X", "x") or stat[1] != proc.start
 
 

@@ -50,6 +50,17 @@ def test_a_live_process_is_not_gone_and_an_ended_one_is() -> None:
         proc.wait()
 
 
+def test_no_evidence_is_not_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc unreadable (hidepid, a permission error, an odd format): the peer is kept."""
+
+    def unreadable(self: object) -> str:
+        raise PermissionError("no access")
+
+    monkeypatch.setattr(liveness.Path, "read_text", unreadable)
+    assert not liveness.is_gone(RankProcess(1, os.getpid(), 0))
+    assert liveness.vanished([RankProcess(1, os.getpid(), 0)], wait_s=0) == []
+
+
 def test_neighbours_are_the_other_ranks_of_this_namespace() -> None:
     store = dist.HashStore()
     assert liveness.neighbours(store, 0, 4) == []  # nobody announced (no key: no wait)
