@@ -19,11 +19,18 @@ tests/test_rank_failure.py):
   complete"; a group being created times out with RuntimeError "Wait timeout".
 
 The peer then reads the record and raises `RankFailureError` naming rank R and R's error.
-A rank killed outright (SIGKILL, os._exit, the OOM killer) records nothing: its peers
-raise `RankFailureError` with failed_rank=None and gloo's message.
+A rank killed outright (SIGKILL, os._exit, the OOM killer) records nothing. Its peers on
+the same host then find its process gone (fsdpx/liveness.py, [Note: vanished ranks]),
+record "R: RankVanished: ..." for it the same way (first record wins), and raise
+`RankFailureError` with failed_rank=R, as every later survivor does on reading the
+record. A survivor on another host waits up to `_REMOTE_WAIT_S` for that record; without
+it (the rank was alone on its host, or stalled rather than died) the error has
+failed_rank=None and gloo's message. A rank that stops with RankFailureError records
+nothing of its own, so it is never mistaken for the first failure.
 
-Nothing waits longer than the group's timeout plus `_STORE_CALL_S` for the store lookup.
-The timeout must be `Config.timeout_s` on every group: init_distributed sets it on the
+Nothing waits longer than the group's timeout plus `_STORE_CALL_S` for the store lookup
+(when nobody recorded an error, plus `VANISH_WAIT_S`, and `_REMOTE_WAIT_S` more with ranks
+on other hosts). The timeout must be `Config.timeout_s` on every group: init_distributed sets it on the
 default group, but groups made by `new_group` (so by DeviceMesh for an axis smaller than
 the world: HSDP, TP, PP) get torch's 30-minute gloo default whatever the default group's
 timeout, both while they are created (waiting for a dead peer's address) and afterwards.
@@ -40,6 +47,7 @@ import datetime
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -48,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpx import liveness
 from fsdpx.config import Config
 from fsdpx.errors import RankFailureError
 
@@ -55,6 +64,10 @@ _FAILURE_KEY = "fsdpx/first_failure"
 _STORE_CALL_S = 5.0
 """Longest wait for one store call made while failing (see [Note: rank failure])."""
 _MAX_RECORD_CHARS = 4096
+_VANISHED = "RankVanished"
+"""The "type" of a record written for a peer found dead (see [Note: vanished ranks])."""
+_REMOTE_WAIT_S = 3.0
+"""Longest wait for a record from a survivor beside a peer on another host."""
 # Lower-cased fragments of the errors gloo (and NCCL) raise on a rank whose peer died or
 # stalled. Deliberately not "gloo"/"nccl" alone: local misuse ("ProcessGroupGloo::broadcast:
 # invalid root rank") is this rank's own error and must be recorded as such.
@@ -128,7 +141,12 @@ def init_distributed(cfg: Config | None = None, *, timeout_s: float | None = Non
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    store = _store()
+    if world_size > 1 and store is not None:
+        # So that peers can tell this process was killed (see [Note: rank failure]).
+        _bounded(lambda: liveness.announce(store, rank))
+    return DistInfo(rank, world_size, local_rank, device)
 
 
 def set_process_group_timeouts(timeout_s: float, *meshes: DeviceMesh) -> None:
@@ -194,7 +212,10 @@ def first_failure() -> tuple[int | None, str] | None:
         # check() first: get() on an absent key would wait for the store's timeout.
         return store.get(_FAILURE_KEY) if store.check([_FAILURE_KEY]) else None
 
-    raw = _bounded(lookup)
+    return _parse_record(_bounded(lookup))
+
+
+def _parse_record(raw: bytes | None) -> tuple[int | None, str] | None:
     if not raw:
         return None
     rank_text, _, message = raw.decode(errors="replace").partition(":")
@@ -225,11 +246,52 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
+def _vanished_record(me: int) -> tuple[int | None, str] | None:
+    """With no record of the first failure: look for peers whose processes ended, record
+    the first of them for the others, and return the job's record; None if none was found.
+    See [Note: vanished ranks] in fsdpx/liveness.py."""
+    store = _store()
+    if store is None or not dist.is_initialized():
+        return None
+    world_size = dist.get_world_size()
+    peers = _bounded(lambda: liveness.neighbours(store, me, world_size)) or []
+    gone = liveness.vanished(peers)
+    if gone:
+        text = (
+            f"{gone[0].rank}: {_VANISHED}: {liveness.describe(gone)} vanished: its process "
+            f"ended without recording an error (found by rank {me})"
+        )
+        # The first record wins: every survivor reports what the first one found.
+        winner = _bounded(lambda: store.compare_set(_FAILURE_KEY, "", text))
+        return _parse_record(winner) or _parse_record(text.encode())
+    if len(peers) + 1 < world_size:
+        # Ranks on other hosts cannot be checked from here; a survivor beside the dead one
+        # may record it (bounded: the dead rank may have been alone on its host).
+        deadline = time.monotonic() + _REMOTE_WAIT_S
+        while time.monotonic() < deadline:
+            failure = first_failure()
+            if failure is not None and failure[0] is not None:
+                return failure
+            time.sleep(0.05)
+    return None
+
+
 def _peer_failure_error(exc: BaseException) -> RankFailureError:
     me = dist.get_rank() if dist.is_initialized() else 0
     failure = first_failure()
+    if failure is None:
+        failure = _vanished_record(me)
     if failure is not None and failure[0] is not None and failure[0] != me:
         rank, what = failure
+        if what.startswith(f"{_VANISHED}: "):
+            return RankFailureError(
+                f"{what.removeprefix(f'{_VANISHED}: ')}. It was probably killed (SIGKILL, "
+                "the out-of-memory killer), called os._exit, or failed outside an fsdpx "
+                f"engine call. Rank {me} stops too (its "
+                f"collective failed: {_first_line(exc)}). Look in rank {rank}'s output and "
+                "the kernel log (dmesg) for why it ended.",
+                failed_rank=rank,
+            )
         return RankFailureError(
             f"rank {rank} failed with {what}; rank {me} stops too (its collective failed: "
             f"{_first_line(exc)}). The traceback is in rank {rank}'s output.",

@@ -19,8 +19,10 @@ class RankFailureError(FsdpxError):
     timeout (Config.timeout_s). The failing rank itself raises its own error unchanged.
 
     `failed_rank` is the rank that failed first when it recorded its error (it raised
-    inside an engine call), else None (it was killed, or stalled without raising). The
-    message names that rank and its error, or quotes the collective's error.
+    inside an engine call) or when a rank on its host found its process gone (it was
+    killed: SIGKILL, the out-of-memory killer, os._exit); else None (it stalled without
+    raising, or was killed alone on another host). The message names that rank and its
+    error or its pid, or quotes the collective's error.
 
     Example::
 

@@ -65,6 +65,8 @@ class _RankState:
     history: deque[_RawPoint]
     status_override: RankStatus | None = None
     error: bool = False
+    peer_failed: bool = False
+    stopped_by: int | None = None
 
 
 def _real(value: Any) -> TypeGuard[int | float]:
@@ -195,9 +197,17 @@ class MonitorModel:
             if state is None:
                 continue
             if kind == "exception":
-                state.error = True
+                if detail.get("type") == "RankFailureError":
+                    # It stops because another rank failed, named in failed_rank when
+                    # known: an orderly exit, not an error of its own (PROTOCOL.md).
+                    named = detail.get("failed_rank")
+                    state.peer_failed = True
+                    state.stopped_by = named if type(named) is int else None
+                else:
+                    state.error = True
             elif kind == "exit":
-                failed = state.error or detail.get("reason") == "exception"
+                own = detail.get("reason") == "exception" and not state.peer_failed
+                failed = state.error or own
                 state.status_override = RankStatus.DEAD if failed else RankStatus.EXITED
             elif kind == "disconnected":
                 # The relay saw the rank's connection close without an exit event: the
@@ -225,7 +235,10 @@ class MonitorModel:
         stale_after, dead_after = cfg.stale_after_s, cfg.dead_after_s
         statuses: list[tuple[int, _RankState, RankStatus, float]] = []
         live_step_times: list[float] = []
+        named_first: set[int] = set()  # ranks named by another rank's RankFailureError
         for rank, state in self.ranks.items():
+            if state.stopped_by is not None:
+                named_first.add(state.stopped_by)
             age = now - state.last_seen
             if age < 0.0:
                 age = 0.0
@@ -245,6 +258,7 @@ class MonitorModel:
         # Plain int bits in the loop (enum.Flag arithmetic costs microseconds per use).
         b_straggler, b_memory, b_nan = Flag.STRAGGLER.value, Flag.MEMORY.value, Flag.NAN_LOSS.value
         b_stale, b_error = Flag.STALE.value, Flag.ERROR.value
+        b_first, b_peer = Flag.FAILED_FIRST.value, Flag.PEER_FAILED.value
         rows: dict[int, RankRow] = {}
         counts = dict.fromkeys(RankStatus, 0)
         loss_sum, loss_n = 0.0, 0
@@ -260,6 +274,10 @@ class MonitorModel:
             bits = b_stale if status is stale or status is dead else 0
             if state.error:
                 bits |= b_error
+            if state.peer_failed:
+                bits |= b_peer
+            if rank in named_first:
+                bits |= b_first
             st = rec.get("step_time_s")
             if _real(st) and st > straggler_cut:
                 bits |= b_straggler
@@ -280,7 +298,9 @@ class MonitorModel:
                     bits |= b_memory
             if bits:
                 outliers += 1
-            rows[rank] = RankRow(rank, rec, status, FLAGS_BY_BITS[bits], age, mem_frac)
+            rows[rank] = RankRow(
+                rank, rec, status, FLAGS_BY_BITS[bits], age, mem_frac, state.stopped_by
+            )
             drop = rec.get("dropped")
             if type(drop) is int:
                 dropped += drop

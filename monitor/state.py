@@ -34,11 +34,16 @@ class Flag(enum.Flag):
     STALE = enum.auto()
     """Not heard from for `stale_after_s` (or dead)."""
     ERROR = enum.auto()
-    """The rank reported an exception."""
+    """The rank reported an exception of its own."""
+    FAILED_FIRST = enum.auto()
+    """Another rank stopped because of this one: named by its RankFailureError (the rank
+    that died or failed first)."""
+    PEER_FAILED = enum.auto()
+    """The rank stopped because another rank failed (it raised RankFailureError)."""
 
 
-FLAGS_BY_BITS = [Flag(bits) for bits in range(32)]
-"""Every combination of the five flags, indexed by its bits (a list lookup in the hot loop)."""
+FLAGS_BY_BITS = [Flag(bits) for bits in range(128)]
+"""Every combination of the seven flags, indexed by its bits (a list lookup in the hot loop)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,8 @@ class RankRow:
     flags: Flag
     age_s: float
     mem_fraction: float | None
+    stopped_by: int | None = None
+    """With Flag.PEER_FAILED: the rank its RankFailureError named (None: not known)."""
 
 
 @dataclass(frozen=True)

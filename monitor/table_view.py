@@ -92,12 +92,23 @@ FLAG_LETTERS: tuple[tuple[Flag, str], ...] = (
     (Flag.NAN_LOSS, "N"),
     (Flag.STALE, "Z"),
     (Flag.ERROR, "E"),
+    (Flag.FAILED_FIRST, "F"),
+    (Flag.PEER_FAILED, "P"),
 )
 """Letters of the flags column; the summary bar shows the legend."""
 
 
 def fmt_flags(flags: Flag) -> str:
     return "".join(letter for flag, letter in FLAG_LETTERS if flag & flags)
+
+
+def end_note(row: RankRow) -> str:
+    """How the rank's end relates to the others': ': peer rank N failed' for a rank that
+    stopped because of another, ' (failed first)' for the rank another one named."""
+    if row.flags & Flag.PEER_FAILED:
+        peer = "a peer rank" if row.stopped_by is None else f"peer rank {row.stopped_by}"
+        return f": {peer} failed"
+    return " (failed first)" if row.flags & Flag.FAILED_FIRST else ""
 
 
 def _mem_pct(row: RankRow) -> str:
@@ -229,6 +240,8 @@ _FLAG_WORDS = {
     "memory": Flag.MEMORY,
     "nan": Flag.NAN_LOSS,
     "error": Flag.ERROR,
+    "first": Flag.FAILED_FIRST,
+    "peer": Flag.PEER_FAILED,
 }
 
 
@@ -237,7 +250,7 @@ def make_filter(query: str) -> Predicate:
 
     Terms, separated by spaces, all must match: `12` (rank 12), `8-15` (ranks 8..15),
     `outliers` (any flag), `stale`/`dead`/`alive`/`exited` (status), `straggler`, `memory`,
-    `nan`, `error` (a flag), anything else: a substring of the host name.
+    `nan`, `error`, `first`, `peer` (a flag), anything else: a substring of the host name.
 
     Example::
 

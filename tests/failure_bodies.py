@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +151,47 @@ def world_one_check() -> None:
         assert "This rank failed earlier with KeyError: 'missing key'" in str(caught), caught
     dist.destroy_process_group()
     print("world-one ok")
+
+
+def killed_peer_body(rank: int, world_size: int, marks: str) -> None:
+    """Rank FAIL_RANK is SIGKILLed between two collectives (no model: fast); the other
+    ranks' all_reduce then fails and each raises RankFailureError."""
+    from fsdpx.distributed import init_distributed
+
+    init_distributed(fsdpx.Config(timeout_s=60))  # reuses the group; announces this process
+    dist.barrier()
+    if rank == FAIL_RANK:
+        _fail("sigkill", Path(marks))
+    with failure_guard():
+        dist.all_reduce(torch.ones(4))  # rank FAIL_RANK never joins: its sockets close
+
+
+def killed_with_telemetry(rank: int, world_size: int, relay: str, marks: str) -> None:
+    """train_and_fail's SIGKILL run with telemetry on. Rank FAIL_RANK dies only once its
+    first records reached the relay (so the monitor knows it); the survivor hands its
+    RankFailureError to sys.excepthook, as an uncaught error would (exception + exit)."""
+    telemetry = {"enabled": True, "relay": relay, "start_relay": False, "poll_interval_s": 0.05}
+    cfg = fsdpx.Config.from_dict({"zero": {"stage": 3}, "timeout_s": 60, "telemetry": telemetry})
+    engine = fsdpx.shard(make_model(), cfg)
+    pub = engine.telemetry
+    assert pub is not None
+    step = _arm(engine.module, "sigkill", Path(marks)) if rank == FAIL_RANK else [0]
+    try:
+        for i, micro in enumerate(global_batches(STEPS, 1)):
+            step[0] = i
+            if rank == FAIL_RANK and i == FAIL_STEP:
+                _wait_for(lambda: pub.stats.records_sent >= FAIL_STEP)
+            x, y = micro[0]
+            loss = engine(shard_batch(x, rank, world_size), shard_batch(y, rank, world_size))
+            engine.backward(loss)
+            engine.step()
+    except fsdpx.RankFailureError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        raise
+
+
+def _wait_for(ready: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, "state not reached"
+        time.sleep(0.01)

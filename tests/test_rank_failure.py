@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,15 +95,39 @@ def test_raising_rank_is_named_by_the_others(runs, how: str) -> None:
 
 
 @pytest.mark.parametrize(("how", "exitcode"), [("exit", 3), ("sigkill", -9)])
-def test_killed_rank_fails_the_others(runs, how: str, exitcode: int) -> None:
-    """os._exit(3) in the forward, SIGKILL in the backward: nothing recorded, so the rank
-    cannot be named, but no rank waits."""
+def test_killed_rank_is_named_by_the_others(runs, how: str, exitcode: int) -> None:
+    """os._exit(3) in the forward, SIGKILL in the backward: the killed rank records
+    nothing, yet rank 0 finds its process gone and names it (with its pid), at once."""
     outcomes, failed_at = runs[how]
     _check_all_ranks_fail(outcomes, failed_at, SLACK_S)
     peer, failing = outcomes
     assert failing.exitcode == exitcode
-    assert peer.failed_rank is None
-    assert "no other rank recorded an error" in peer.error_message, peer.error_message
+    assert peer.failed_rank == 1, peer.error_message
+    assert re.match(
+        r"rank 1 \(pid \d+ on host \S+\) vanished: its process ended without recording an "
+        r"error \(found by rank 0\)\. It was probably killed .*Rank 0 stops too \(its "
+        r"collective failed: RuntimeError: .*\)\. Look in rank 1's output",
+        peer.error_message,
+    ), peer.error_message
+
+
+def test_every_survivor_names_the_killed_rank_alike(tmp_path: Path) -> None:
+    """Three ranks, rank 1 SIGKILLed: ranks 0 and 2 both name it, with the same finding
+    (the first survivor's record), without waiting for the 60 s process-group timeout."""
+    outcomes = spawn_ranks(failure_bodies.killed_peer_body, 3, (str(tmp_path),), timeout_s=HANG_S)
+    failed_at = float((tmp_path / "failed_at").read_text())
+    assert outcomes[1].exitcode == -9
+    survivors = [outcomes[0], outcomes[2]]
+    for o in survivors:
+        assert not o.killed_by_harness and o.exitcode == 1, o.error
+        assert o.error_type == "RankFailureError" and o.failed_rank == 1, o.error
+        # A state, not a race: well under the group's timeout, so not a timeout.
+        assert o.ended_at - failed_at < 30, o.error
+        assert "timed out" not in (o.error_message or "").lower(), o.error
+    pattern = r"rank 1 \(pid \d+ on host \S+\) vanished: .* \(found by rank [02]\)\."
+    findings = [re.match(pattern, o.error_message or "") for o in survivors]
+    assert all(findings), [o.error_message for o in survivors]
+    assert findings[0][0] == findings[1][0]  # type: ignore[index]
 
 
 def test_own_errors_pass_through_and_the_first_is_kept() -> None:

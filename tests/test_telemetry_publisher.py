@@ -20,6 +20,7 @@ from torch import nn
 
 from fsdpx.config import TelemetryConfig
 from fsdpx.engine import StepResult
+from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.logfile import iter_log
 from fsdpx.telemetry.probes import NvmlProbe, host_rss
 from fsdpx.telemetry.protocol import (
@@ -303,6 +304,21 @@ def test_events_overflow_checkpoint_exception_exit(
     assert events[3]["detail"]["type"] == "RuntimeError"
     assert 'raise RuntimeError("boom")' in events[3]["detail"]["traceback"]
     assert events[4]["detail"]["reason"] == "exception"
+
+
+def test_rank_failure_events_name_the_failed_rank(relay_with_log: tuple[Relay, Path]) -> None:
+    """A RankFailureError's exception event carries failed_rank (nil when unknown), so the
+    monitor shows the rank as stopped by that peer; other exceptions carry none."""
+    relay, log = relay_with_log
+    pub = _publisher(replace(FAST, relay=str(relay.address)))
+    pub.record_exception(RankFailureError("rank 1 vanished", failed_rank=1))
+    pub.record_exception(RankFailureError("no rank recorded an error"))
+    pub.record_exception(ValueError("this rank's own error"))
+    pub.close()
+    relay.stop()
+    details = [e["detail"] for e in _events(log) if e["kind"] == "exception"]
+    assert [d["type"] for d in details] == ["RankFailureError", "RankFailureError", "ValueError"]
+    assert [d.get("failed_rank", "absent") for d in details] == [1, None, "absent"]
 
 
 def test_local_rank_0_starts_a_relay_when_none_runs(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from fsdpx.config import TelemetryConfig
+from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
 from fsdpx.telemetry.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
@@ -288,7 +289,14 @@ class Publisher:
     def record_exception(self, exc: BaseException, *, step: int | None = None) -> None:
         """Publish an "exception" event with a traceback summary of `exc`."""
         text = "".join(traceback.format_exception(exc))[-_TRACEBACK_CHARS:]
-        detail = {"type": type(exc).__name__, "message": str(exc)[:1000], "traceback": text}
+        detail: dict[str, Any] = {
+            "type": type(exc).__name__,
+            "message": str(exc)[:1000],
+            "traceback": text,
+        }
+        if isinstance(exc, RankFailureError):
+            # The monitor shows this rank as stopped by that one, not failed on its own.
+            detail["failed_rank"] = exc.failed_rank
         self.event("exception", step=step, detail=detail)
 
     def close(self, *, reason: str = "closed", timeout_s: float = 3.0) -> None:

@@ -11,7 +11,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from monitor.model import MonitorModel, Snapshot
-from monitor.table_view import fmt_age, fmt_flags, fmt_float, fmt_gib, fmt_si
+from monitor.table_view import end_note, fmt_age, fmt_flags, fmt_float, fmt_gib, fmt_si
 from monitor.widgets.curves import plot
 from monitor.widgets.events import describe
 
@@ -94,6 +94,7 @@ class RankDetailScreen(Screen[None]):
             Text.assemble(
                 (f"rank {self.rank}", "bold"),
                 f"  {row.status.value}",
+                (end_note(row), "bold yellow"),
                 f"  last seen {fmt_age(row.age_s)} ago",
                 (f"  flags {fmt_flags(row.flags)}" if row.flags else "", "bold yellow"),
             )

@@ -38,7 +38,8 @@ class SummaryBar(Static):
         second.append("  " + source, "italic")
         if s.outliers:
             second.append(f"  outliers {s.outliers}", "bold yellow")
-            second.append(" (S slow M mem N nan Z stale E error)", "dim")
+            legend = " (S slow M mem N nan Z stale E error F failed first P peer failed)"
+            second.append(legend, "dim")
         if s.dropped:
             second.append(f"  dropped {s.dropped}", "red")
         both = Text("\n").join([line, second])
