@@ -7,6 +7,8 @@ of each (rank, step): a publisher that resends after a reconnect must not double
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -47,17 +49,42 @@ def _events(messages: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             yield from (e for e in message.get("events") or () if isinstance(e, dict))
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` with NaN/inf floats as strings: strict JSON (jq, JavaScript) has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """A detail value as one line of strict JSON (double quotes, null/true/false), not a
+    Python repr: any tool (pandas, jq, a spreadsheet) can read it back."""
+    return json.dumps(_json_safe(value), ensure_ascii=False, allow_nan=False, default=str)
+
+
 def _cell(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, dict | list):
-        return repr(value)
+        return to_json(value)
     return value
+
+
+def _event_row(event: dict[str, Any]) -> list[Any]:
+    # `detail` is always JSON (a plain string detail too), so one parser reads the column.
+    return [
+        to_json(event[k]) if k == "detail" and event.get(k) is not None else _cell(event.get(k))
+        for k in EVENT_FIELDS
+    ]
 
 
 def export_csv(log: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write `records.csv` (one row per rank-step, columns RECORD_FIELDS, empty where
-    unknown) and `events.csv` (EVENT_FIELDS) into `out_dir`.
+    unknown) and `events.csv` (EVENT_FIELDS; `detail` as JSON) into `out_dir`.
 
     Args:
         log: a relay log (`*.tlm`).
@@ -83,7 +110,7 @@ def export_csv(log: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> 
         writer = csv.writer(f)
         writer.writerow(EVENT_FIELDS)
         for event in _events(iter_log(log)):
-            writer.writerow([_cell(event.get(k)) for k in EVENT_FIELDS])
+            writer.writerow(_event_row(event))
     return records_path, events_path
 
 
