@@ -262,6 +262,9 @@ class MonitorApp(App[None]):
     # --- actions ------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("filter", "outliers", "clear_filter"):
+            # They act on the main table: not offered (nor run) while a screen covers it.
+            return not isinstance(self.screen, RankDetailScreen)
         if action in ("pause", "seek", "speed"):
             # Replay keys exist only in a replay, and never steal keys from the filter box.
             return self.player is not None and not isinstance(self.focused, Input)
