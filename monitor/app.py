@@ -177,7 +177,7 @@ class MonitorApp(App[None]):
     def on_telemetry_batch(self, message: TelemetryBatch) -> None:
         # Records first: a batch's events (an exit) come after its records.
         self.model.add_records(message.records, now=message.received_at)
-        self.model.add_events(message.events)
+        self.model.add_events(message.events, now=message.received_at)
         if message.events:
             self.events_log.add(message.events, self.model.first_time)
 

@@ -158,3 +158,49 @@ async def test_detail_screen_uses_adaptive_units(tmp_path: Path) -> None:
         text = await text_once(app, pilot, "comm_bytes")
         assert "12.0 MiB" in text and "48.2 GFLOP/s" in text and "512 MiB" in text
         assert "0.0 GiB" not in text
+
+
+def elapsed_on_screen(app: MonitorApp) -> str:
+    line = screen_lines(app)[1]
+    assert line.startswith("elapsed "), line
+    return line.split()[1]
+
+
+@sync
+async def test_elapsed_never_goes_back_when_the_ranks_stop(tmp_path: Path) -> None:
+    """Live, the clock runs until the last exit arrives; it used to fall back to the last
+    record's time (0:26 -> 0:23 at the end of the demo)."""
+    clock = [100.0]
+    app = MonitorApp(sources=[str(tmp_path / "nobody.sock")], clock=lambda: clock[0])
+    shown: list[str] = []
+    async with app.run_test(size=(80, 24)) as pilot:
+        for step in range(1, 24):  # a record per second from t=100 to 122
+            records = [cpu_record(r, step) for r in range(2)]
+            app.post_message(TelemetryBatch("test", records, [], received_at=clock[0]))
+            await pilot.pause()
+            clock[0] += 1.0
+            app.refresh_view()
+            await pilot.pause()
+            shown.append(elapsed_on_screen(app))
+        # The ranks tear down for 3 s after their last step; the monitor keeps refreshing.
+        for _ in range(3):
+            clock[0] += 1.0
+            app.refresh_view()
+            await pilot.pause()
+            shown.append(elapsed_on_screen(app))
+        exits = [
+            {"rank": r, "kind": "exit", "time": clock[0], "detail": {"reason": "closed"}}
+            for r in range(2)
+        ]
+        app.post_message(TelemetryBatch("test", [], exits, received_at=clock[0]))
+        await pilot.pause()
+        for _ in range(3):
+            clock[0] += 1.0
+            app.refresh_view()
+            await pilot.pause()
+            shown.append(elapsed_on_screen(app))
+        assert app.snapshot.summary.exited == 2
+    seconds = [int(m) * 60 + int(s) for m, s in (t.split(":") for t in shown)]
+    assert seconds == sorted(seconds), shown
+    # First record at t=101 (its own time), exits arrived at t=126: stopped there.
+    assert shown[-3:] == ["0:25"] * 3, shown
