@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitor.model import MonitorModel
+from monitor.progress import ProgressLines
 from monitor.receiver import Batch, RelayClient
-from monitor.table_view import fmt_duration, fmt_float, fmt_si
+from monitor.table_view import fmt_duration, fmt_float
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 
@@ -178,24 +178,11 @@ def _watch(address: str) -> None:
 
 async def _progress(address: str, train: subprocess.Popen[bytes], every: int, steps: int) -> None:
     """Plain progress lines from the relay while the training runs."""
-    model = MonitorModel()
-    printed = 0
+    lines = ProgressLines(every=every, steps=steps)
 
     def on_batch(batch: Batch) -> None:
-        nonlocal printed
-        model.add_records(batch.records, now=batch.received_at)
-        model.add_events(batch.events)
-        s = model.snapshot(time.time()).summary
-        if s.step is not None and (s.step >= printed + every or s.step == steps):
-            if s.step == printed:
-                return
-            printed = s.step
-            print(
-                f"step {s.step:5d}  loss {fmt_float(s.loss, 4)}  tok/s {fmt_si(s.tokens_per_s)}"
-                f"  ranks {s.alive} alive {s.stale} stale {s.dead} dead {s.exited} exited"
-                f"  elapsed {fmt_duration(s.elapsed_s)}",
-                flush=True,
-            )
+        for text in lines.feed(batch.records, batch.events, now=batch.received_at):
+            print(text, flush=True)
 
     client = RelayClient(address, on_batch=on_batch, on_status=lambda up, detail: None)
     task = asyncio.create_task(client.run())
@@ -204,7 +191,9 @@ async def _progress(address: str, train: subprocess.Popen[bytes], every: int, st
     await asyncio.sleep(1.0)  # the ranks' last records and exit events
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    s = model.snapshot(time.time()).summary
+    for text in lines.finish(time.time()):
+        print(text, flush=True)
+    s = lines.model.snapshot(time.time()).summary
     print(
         f"done: step {s.step}  loss {fmt_float(s.loss, 4)} (mean over ranks)  "
         f"ranks {s.exited} exited {s.dead} dead  elapsed {fmt_duration(s.elapsed_s)}",
