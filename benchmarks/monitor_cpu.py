@@ -227,7 +227,8 @@ def child_main(table: str, address: str, stats_path: str) -> None:
     from monitor.cli import run_app
     from monitor.messages import TelemetryBatch
     from monitor.model import Snapshot
-    from monitor.table_view import fmt_age, fmt_float, fmt_gib
+    from monitor.table_view import fmt_age, fmt_float
+    from monitor.units import fmt_bytes
 
     class CountingApp(MonitorApp):
         """Counts records and the CPU time of the two app-side stages (the rest is the
@@ -283,7 +284,7 @@ def child_main(table: str, address: str, stats_path: str) -> None:
                     str(row.record.get("step")),
                     fmt_float(row.record.get("step_time_s")),
                     fmt_float(row.record.get("loss"), 4),
-                    fmt_gib(row.record.get("mem_reserved")),
+                    fmt_bytes(row.record.get("mem_reserved"), compact=True),
                     "-" if row.mem_fraction is None else f"{100 * row.mem_fraction:.0f}%",
                     fmt_age(row.age_s),
                 )

@@ -14,6 +14,8 @@ Options:
     --out DIR          where the model and sample go (default out/train_gpt)
     --eval-every N, --log-every N, --sample-tokens N
     --telemetry [LOG]  live per-rank telemetry for the monitor; LOG: replay log path
+    --stop-file FILE   stop cleanly at the next step once FILE exists (`fsdpx demo` creates
+                       it when you quit the monitor)
 
 The data is the Python standard library's own source read as bytes (nothing is
 downloaded); the last 10% is held out for evaluation. Every rank draws the same global
@@ -52,6 +54,13 @@ parser.add_argument(
     metavar="LOG",
     help="publish live per-rank telemetry (watch with the monitor); with LOG, the relay "
     "started by local rank 0 also writes a replay log there (e.g. out/run.tlm)",
+)
+parser.add_argument(
+    "--stop-file",
+    type=Path,
+    default=None,
+    metavar="FILE",
+    help="stop cleanly (exit 0, no export) at the next step once FILE exists",
 )
 args = parser.parse_args()
 
@@ -173,6 +182,15 @@ for step in range(1, args.steps + 1):
         last, last_logged = now, step
     if step % args.eval_every == 0 and step != args.steps:
         log(f"step {step:4d} | val loss {evaluate():.3f}")
+    if args.stop_file is not None and step != args.steps:
+        # Every rank must stop at the same step (a rank that stops alone leaves the others
+        # waiting in a collective), so the ranks agree: one tiny all-reduce per step.
+        stop = torch.tensor([float(args.stop_file.exists())])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            log(f"step {step:4d} | stopping: {args.stop_file} appeared (a user stop)")
+            dist.destroy_process_group()
+            raise SystemExit(0)
 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 log(
     f"trained {args.steps} steps in {elapsed:.1f}s ({cpu:.1f}s CPU on rank 0); "

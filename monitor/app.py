@@ -201,7 +201,7 @@ class MonitorApp(App[None]):
         shown, known = self.shown_run, len(self.runs)
         # Records first: a batch's events (an exit) come after its records.
         self.runs.add_records(message.records, now=message.received_at)
-        by_run = self.runs.add_events(message.events)
+        by_run = self.runs.add_events(message.events, now=message.received_at)
         self._events_arrived(shown, known, by_run)
 
     def _events_arrived(
@@ -306,6 +306,9 @@ class MonitorApp(App[None]):
     # --- actions ------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("filter", "outliers", "clear_filter"):
+            # They act on the main table: not offered (nor run) while a screen covers it.
+            return not isinstance(self.screen, RankDetailScreen)
         if action in ("pause", "seek", "speed"):
             # Replay keys exist only in a replay, and never steal keys from the filter box.
             return self.player is not None and not isinstance(self.focused, Input)

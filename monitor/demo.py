@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitor.model import MonitorModel
+from monitor.progress import ProgressLines
 from monitor.receiver import Batch, RelayClient
-from monitor.table_view import fmt_duration, fmt_float, fmt_si
+from monitor.table_view import fmt_duration, fmt_float
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 
@@ -56,8 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=10, help="steps per progress line")
 
 
+STOP_WAIT_S = 60.0
+"""How long a user stop waits for the ranks to finish their step (CPU steps take well
+under a second, but a quit during start-up waits for imports and the first step)."""
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo; returns the training's exit code (2 for bad input).
+    """Run the demo; returns the training's exit code, 0 when the user quit the monitor
+    (a user stop), 2 for bad input.
 
     Example::
 
@@ -88,26 +94,37 @@ def run_demo(args: argparse.Namespace) -> int:
         relay = Relay(address, log_path=paths.log)
         relay.bind()
         relay.start_thread()
+        stop_file = Path(tmp) / "stop"
         try:
-            train = _launch(args, address, paths)
+            train = _launch(args, address, paths, stop_file)
             try:
                 if sys.stdout.isatty():
                     _watch(address)
                 else:
                     asyncio.run(_progress(address, train, args.every, args.steps))
             finally:
-                code = _finish(train)
+                outcome = _finish(train, stop_file)
         finally:
             relay.stop()
     print(
-        f"training exited with {code}; its output: {paths.train_output}\n"
+        f"{outcome.message}; its output: {paths.train_output}\n"
         f"replay it: fsdpx-monitor replay {paths.log}",
         flush=True,
     )
-    return code
+    return outcome.code
 
 
-def _launch(args: argparse.Namespace, address: str, paths: DemoPaths) -> subprocess.Popen[bytes]:
+@dataclass(frozen=True)
+class Outcome:
+    """How the training ended, as the demo reports it."""
+
+    code: int
+    message: str
+
+
+def _launch(
+    args: argparse.Namespace, address: str, paths: DemoPaths, stop_file: Path
+) -> subprocess.Popen[bytes]:
     # The ranks find the demo's relay through telemetry.relay in a generated config (the
     # example's own settings plus that), and never start their own (start_relay false).
     config = paths.out / "demo_config.json"
@@ -126,6 +143,8 @@ def _launch(args: argparse.Namespace, address: str, paths: DemoPaths) -> subproc
         "--telemetry",
         "--out",
         str(paths.out / "model"),
+        "--stop-file",
+        str(stop_file),
     ]
     output = open(paths.train_output, "wb")  # noqa: SIM115 (closed by the child's exit)
     return subprocess.Popen(
@@ -156,9 +175,21 @@ def _config_json(steps: int, address: str) -> str:
     )
 
 
-def _finish(train: subprocess.Popen[bytes]) -> int:
-    """Wait for the training, or stop it (the user quit the monitor first)."""
-    if train.poll() is None:
+def _finish(train: subprocess.Popen[bytes], stop_file: Path) -> Outcome:
+    """Wait for the training, or stop it when the user quit the monitor first.
+
+    [Note: a user stop] Quitting is not a failure: the demo creates the stop file, the
+    ranks agree to stop after their current step and exit 0, and so does torchrun, with
+    nothing but the training's own lines in train.log. Signalling torchrun instead makes
+    it raise SignalException (a traceback in train.log, exit code 1) and the ranks die
+    mid-step. Signals remain the fallback for ranks that do not stop in STOP_WAIT_S.
+    """
+    if train.poll() is not None:
+        return Outcome(train.returncode, f"training exited with {train.returncode}")
+    stop_file.touch()
+    try:
+        train.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(train.pid, signal.SIGTERM)
         try:
@@ -166,7 +197,14 @@ def _finish(train: subprocess.Popen[bytes]) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(train.pid, signal.SIGKILL)
             train.wait()
-    return train.returncode
+        return Outcome(
+            0,
+            f"training stopped (monitor quit); it did not stop within {STOP_WAIT_S:.0f} s, "
+            f"so it was terminated (exit code {train.returncode})",
+        )
+    if train.returncode != 0:
+        return Outcome(train.returncode, f"training exited with {train.returncode}")
+    return Outcome(0, "training stopped (monitor quit)")
 
 
 def _watch(address: str) -> None:
@@ -178,24 +216,11 @@ def _watch(address: str) -> None:
 
 async def _progress(address: str, train: subprocess.Popen[bytes], every: int, steps: int) -> None:
     """Plain progress lines from the relay while the training runs."""
-    model = MonitorModel()
-    printed = 0
+    lines = ProgressLines(every=every, steps=steps)
 
     def on_batch(batch: Batch) -> None:
-        nonlocal printed
-        model.add_records(batch.records, now=batch.received_at)
-        model.add_events(batch.events)
-        s = model.snapshot(time.time()).summary
-        if s.step is not None and (s.step >= printed + every or s.step == steps):
-            if s.step == printed:
-                return
-            printed = s.step
-            print(
-                f"step {s.step:5d}  loss {fmt_float(s.loss, 4)}  tok/s {fmt_si(s.tokens_per_s)}"
-                f"  ranks {s.alive} alive {s.stale} stale {s.dead} dead {s.exited} exited"
-                f"  elapsed {fmt_duration(s.elapsed_s)}",
-                flush=True,
-            )
+        for text in lines.feed(batch.records, batch.events, now=batch.received_at):
+            print(text, flush=True)
 
     client = RelayClient(address, on_batch=on_batch, on_status=lambda up, detail: None)
     task = asyncio.create_task(client.run())
@@ -204,7 +229,9 @@ async def _progress(address: str, train: subprocess.Popen[bytes], every: int, st
     await asyncio.sleep(1.0)  # the ranks' last records and exit events
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    s = model.snapshot(time.time()).summary
+    for text in lines.finish(time.time()):
+        print(text, flush=True)
+    s = lines.model.snapshot(time.time()).summary
     print(
         f"done: step {s.step}  loss {fmt_float(s.loss, 4)} (mean over ranks)  "
         f"ranks {s.exited} exited {s.dead} dead  elapsed {fmt_duration(s.elapsed_s)}",

@@ -10,6 +10,8 @@ identity]); `run=` picks one run.
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -135,19 +137,44 @@ def _events(messages: Iterable[dict[str, Any]], run: str | None) -> Iterator[dic
     yield from (e for e in _items(messages, "events") if _in_run(e, run))
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` with NaN/inf floats as strings: strict JSON (jq, JavaScript) has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """A detail value as one line of strict JSON (double quotes, null/true/false), not a
+    Python repr: any tool (pandas, jq, a spreadsheet) can read it back."""
+    return json.dumps(_json_safe(value), ensure_ascii=False, allow_nan=False, default=str)
+
+
 def _cell(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, dict | list):
-        return repr(value)
+        return to_json(value)
     return value
+
+
+def _event_row(event: dict[str, Any]) -> list[Any]:
+    # `detail` is always JSON (a plain string detail too), so one parser reads the column.
+    return [
+        to_json(event[k]) if k == "detail" and event.get(k) is not None else _cell(event.get(k))
+        for k in EVENT_COLUMNS
+    ]
 
 
 def export_csv(
     log: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, run: str | None = None
 ) -> tuple[Path, Path]:
     """Write `records.csv` (one row per run-rank-step, columns RECORD_COLUMNS: run_id
-    and job first, empty where unknown) and `events.csv` (EVENT_COLUMNS) into `out_dir`.
+    and job first, empty where unknown) and `events.csv` (EVENT_COLUMNS; `detail` as JSON) into `out_dir`.
 
     Args:
         log: a relay log (`*.tlm`).
@@ -176,7 +203,7 @@ def export_csv(
         writer = csv.writer(f)
         writer.writerow(EVENT_COLUMNS)
         for event in _events(iter_log(log), run):
-            writer.writerow([_cell(event.get(k)) for k in EVENT_COLUMNS])
+            writer.writerow(_event_row(event))
     return records_path, events_path
 
 

@@ -67,6 +67,8 @@ class _RankState:
     error: bool = False
     peer_failed: bool = False
     stopped_by: int | None = None
+    ended_at: float | None = None
+    """When its exit (or disconnect) arrived, on the clock of `last_seen`."""
 
 
 def _real(value: Any) -> TypeGuard[int | float]:
@@ -151,6 +153,7 @@ class MonitorModel:
             state.record = rec
             state.last_seen = seen
             state.status_override = None
+            state.ended_at = None
             loss = rec.get("loss")
             state.history.append((step, rec.get("step_time_s"), loss, rec.get("mem_allocated")))
             agg = steps.get(step)
@@ -173,8 +176,10 @@ class MonitorModel:
                 agg.tps_sum += tps
                 agg.tps_n += 1
 
-    def add_events(self, events: Iterable[Any]) -> None:
-        """Store events; `exit`, `exception` and `disconnected` change the rank's status."""
+    def add_events(self, events: Iterable[Any], now: float | None = None) -> None:
+        """Store events received at monitor time `now`; `exit`, `exception` and
+        `disconnected` change the rank's status. With `now=None` (replay) an event counts
+        as received at its own `time` (see [Note: clocks])."""
         for event in events:
             if not isinstance(event, dict):
                 continue
@@ -209,10 +214,41 @@ class MonitorModel:
                 own = detail.get("reason") == "exception" and not state.peer_failed
                 failed = state.error or own
                 state.status_override = RankStatus.DEAD if failed else RankStatus.EXITED
+                state.ended_at = self._arrival(event, now, state)
             elif kind == "disconnected":
                 # The relay saw the rank's connection close without an exit event: the
                 # process is gone (a later record, after a reconnect, clears this).
                 state.status_override = RankStatus.DEAD
+                state.ended_at = self._arrival(event, now, state)
+
+    @staticmethod
+    def _arrival(event: dict[str, Any], now: float | None, state: _RankState) -> float:
+        if now is None:
+            t = _number(event.get("time"))
+            now = state.last_seen if t is None else t
+        return max(now, state.last_seen)
+
+    @staticmethod
+    def _stopped_at(
+        statuses: list[tuple[int, _RankState, RankStatus, float]], dead_after: float
+    ) -> float:
+        """When the run's clock stopped: the moment the monitor saw its last rank stop.
+
+        [Note: elapsed never shrinks] While any rank runs, elapsed is `now - first_time`.
+        The clock stops when the last rank stops *as the monitor saw it*: its exit or
+        disconnect arrived (`ended_at`), or it was declared dead (`dead_after` after its
+        last record). Each of these is at or after every refresh that still showed the
+        rank running, so elapsed never goes backwards (it used to drop to the last
+        record's time, e.g. 0:26 -> 0:23 while the ranks shut down).
+        """
+        end = -math.inf
+        for _, state, _, _ in statuses:
+            if state.status_override is not None:
+                stopped = state.last_seen if state.ended_at is None else state.ended_at
+            else:  # dead by age
+                stopped = state.last_seen + dead_after
+            end = max(end, stopped)
+        return end
 
     def history(self, rank: int) -> list[RankHistoryPoint]:
         """The rank's recent steps, oldest first (empty for an unknown rank)."""
@@ -322,8 +358,7 @@ class MonitorModel:
         if self.first_time is not None and self.ranks:
             end = now
             if not counts[alive] and not counts[stale]:
-                # Every rank exited or died: the run's clock stopped with its last record.
-                end = max(state.last_seen for state in self.ranks.values())
+                end = self._stopped_at(statuses, dead_after)
             elapsed = max(0.0, end - self.first_time)
         eta = None
         if self.total_steps is not None and step is not None and median_st is not None:

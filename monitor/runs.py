@@ -113,11 +113,14 @@ class RunBook:
             if info.first_step is None or info.job is None:
                 self._note(info, group)
 
-    def add_events(self, events: Iterable[Any]) -> dict[str | None, list[Any]]:
-        """Route events to their runs' models; returns them grouped by run."""
+    def add_events(
+        self, events: Iterable[Any], now: float | None = None
+    ) -> dict[str | None, list[Any]]:
+        """Route events to their runs' models (see MonitorModel.add_events); returns them
+        grouped by run."""
         groups = self._group(events)
         for run_id, group in groups.items():
-            self._run(run_id).add_events(group)
+            self._run(run_id).add_events(group, now)
             info = self._info[run_id]
             for event in group:
                 detail = event.get("detail") if type(event) is dict else None

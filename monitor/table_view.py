@@ -8,26 +8,31 @@ sort and filter rules without a terminal.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from monitor.state import Flag, RankRow, RankStatus
-
-GIB = 1024.0**3
+from monitor.units import fmt_bytes
 
 
 @dataclass(frozen=True)
 class Column:
-    """One table column: header, width, how to format a row, and its drop priority
-    (columns with the highest `drop` go first when the terminal is too narrow; 0: never)."""
+    """One table column: header, width, how to format a row, and how it gives way when
+    the terminal is too narrow (see `fit_columns`)."""
 
     key: str
     title: str
     width: int
     cell: Callable[[RankRow], str]
     drop: int = 0
+    """Drop priority: the highest goes first when the terminal is too narrow; 0: never."""
     align_left: bool = False
+    source: str | None = None
+    """The record field shown; a column whose field no rank reports (device memory on a
+    CPU run) is hidden before any column with data is dropped. None: always kept."""
+    drop_without_device: int | None = None
+    """`drop` when no rank reports device memory (a CPU run), if different."""
 
 
 def _num(value: Any) -> float | None:
@@ -46,12 +51,6 @@ def fmt_float(value: Any, digits: int = 3) -> str:
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return f"{v:.{digits}f}"
-
-
-def fmt_gib(value: Any) -> str:
-    """Bytes as GiB with one decimal, `-` when unknown."""
-    v = _num(value)
-    return "-" if v is None else f"{v / GIB:.1f}"
 
 
 def fmt_si(value: Any) -> str:
@@ -120,32 +119,67 @@ def _util(row: RankRow) -> str:
     return "-" if v is None else f"{v:.0f}%"
 
 
+def _bytes_cell(field: str) -> Callable[[RankRow], str]:
+    return lambda r: fmt_bytes(r.record.get(field), compact=True)
+
+
 COLUMNS: tuple[Column, ...] = (
     Column("rank", "rank", 5, lambda r: str(r.rank)),
-    Column("host", "host", 9, lambda r: str(r.record.get("host") or "-")[:9], 1, True),
+    Column("host", "host", 9, lambda r: str(r.record.get("host") or "-")[:9], 2, True),
     Column("status", "state", 6, lambda r: r.status.value, 0, True),
     Column("step", "step", 7, lambda r: str(r.record.get("step"))),
     Column("step_time", "step_s", 7, lambda r: fmt_float(r.record.get("step_time_s"), 3)),
     Column("loss", "loss", 8, lambda r: fmt_float(r.record.get("loss"), 4)),
-    Column("alloc", "alloc", 6, lambda r: fmt_gib(r.record.get("mem_allocated")), 3),
-    Column("reserved", "resv", 6, lambda r: fmt_gib(r.record.get("mem_reserved"))),
-    Column("peak", "peak", 6, lambda r: fmt_gib(r.record.get("mem_peak")), 4),
-    Column("capacity", "cap", 6, lambda r: fmt_gib(r.record.get("device_mem_total")), 2),
-    Column("mem", "mem%", 5, _mem_pct),
-    Column("util", "util", 5, _util, 5),
-    # Host memory: the only memory a CPU-only rank reports.
-    Column("rss", "rss", 6, lambda r: fmt_gib(r.record.get("host_rss")), 6),
+    Column("alloc", "alloc", 6, _bytes_cell("mem_allocated"), 4, source="mem_allocated"),
+    Column("reserved", "resv", 6, _bytes_cell("mem_reserved"), source="mem_reserved"),
+    Column("peak", "peak", 6, _bytes_cell("mem_peak"), 5, source="mem_peak"),
+    Column("capacity", "cap", 6, _bytes_cell("device_mem_total"), 3, source="device_mem_total"),
+    Column("mem", "mem%", 5, _mem_pct, source="device_mem_total"),
+    Column("util", "util", 5, _util, 6, source="device_util"),
+    # Host memory: next to device memory the first to go, but on a CPU run the only
+    # memory there is, kept longer than the host names (the filter still matches hosts).
+    Column("rss", "rss", 6, _bytes_cell("host_rss"), 7, source="host_rss", drop_without_device=1),
     Column("age", "age", 6, lambda r: fmt_age(r.age_s)),
-    Column("flags", "flags", 5, lambda r: fmt_flags(r.flags), 0, True),
+    # 6 wide: "flags" and the sort arrow.
+    Column("flags", "flags", 6, lambda r: fmt_flags(r.flags), 0, True),
 )
 
+_DEVICE_MEMORY_FIELDS = ("mem_allocated", "mem_reserved", "device_mem_total")
 
-def fit_columns(width: int, columns: Sequence[Column] = COLUMNS) -> list[Column]:
-    """The columns that fit in `width` cells (one space between columns), dropping the
-    least important first; the rest scroll horizontally if still too wide."""
+
+def _line_width(columns: Sequence[Column]) -> int:
+    return sum(c.width + 1 for c in columns) - 1  # one space between columns
+
+
+def fit_columns(
+    width: int, columns: Sequence[Column] = COLUMNS, rows: Mapping[int, RankRow] | None = None
+) -> list[Column]:
+    """The columns that fit in `width` cells; the rest scroll horizontally.
+
+    When all do not fit, columns whose `source` field no row reports are hidden first
+    (always-empty device columns on a CPU run), then columns are dropped by priority.
+    With enough room every column stays, so the layout does not jump as data arrives.
+    """
     kept = list(columns)
-    droppable = sorted((c for c in kept if c.drop), key=lambda c: -c.drop)
-    while droppable and sum(c.width + 1 for c in kept) > width:
+    if _line_width(kept) <= width:
+        return kept
+    device = True
+    if rows is not None:
+        values = list(rows.values())
+        kept = [
+            c
+            for c in kept
+            if c.source is None or any(r.record.get(c.source) is not None for r in values)
+        ]
+        device = any(r.record.get(f) is not None for r in values for f in _DEVICE_MEMORY_FIELDS)
+
+    def priority(c: Column) -> int:
+        if not device and c.drop_without_device is not None:
+            return c.drop_without_device
+        return c.drop
+
+    droppable = sorted((c for c in kept if priority(c)), key=lambda c: -priority(c))
+    while droppable and _line_width(kept) > width:
         kept.remove(droppable.pop(0))
     return kept
 
@@ -163,8 +197,10 @@ def format_header(columns: Sequence[Column], sort_key: str, descending: bool) ->
     """The header line; the sort column carries an arrow."""
     cells = []
     for col in columns:
-        title = col.title + (("↓" if descending else "↑") if col.key == sort_key else "")
-        title = title[: col.width]
+        title = col.title[: col.width]
+        if col.key == sort_key:
+            # The arrow always shows: a title too long for it gives up its last letter.
+            title = title[: col.width - 1] + ("↓" if descending else "↑")
         cells.append(title.ljust(col.width) if col.align_left else title.rjust(col.width))
     return " ".join(cells)
 
@@ -281,3 +317,22 @@ def order_rows(
     selected.sort(key=lambda r: r.rank)
     selected.sort(key=lambda r: _sort_value(r, sort_key), reverse=descending)
     return [r.rank for r in selected]
+
+
+def filter_title(query: str, shown: int, total: int) -> str:
+    """The table's title under a filter: `outliers only (3 of 12 ranks)`; "" unfiltered."""
+    terms = query.lower().split()
+    if not terms:
+        return ""
+    what = "outliers only" if terms == ["outliers"] else f"filter: {' '.join(terms)}"
+    return f"{what} ({shown} of {total} ranks)"
+
+
+def empty_note(query: str, total: int) -> str:
+    """The line an empty table shows: no ranks yet, no outliers, or nothing matches."""
+    terms = query.lower().split()
+    if total == 0:
+        return "no ranks heard from yet"
+    if terms == ["outliers"]:
+        return f"no outliers among {total} ranks"
+    return f"no ranks match the filter '{' '.join(terms)}' ({total} ranks in all)"

@@ -182,3 +182,16 @@ def test_sort_filter_and_columns() -> None:
     assert len(fit_columns(200)) == 15
     with pytest.raises(ValueError, match="unknown sort key 'speed'"):
         order_rows(rows, sort_key="speed", descending=False, query="")
+
+
+def test_elapsed_is_monotone_when_ranks_die_of_silence() -> None:
+    """Stale, then dead by age: the clock stops when the monitor declared the last rank
+    dead, never back at its last record (elapsed used to drop by dead_after)."""
+    settings = MonitorSettings(stale_after_s=2.0, dead_after_s=5.0)
+    model = MonitorModel(settings)
+    model.add_records([{"rank": 0, "step": 1, "time": 0.0}], now=0.0)
+    model.add_records([{"rank": 0, "step": 2, "time": 1.0}], now=1.0)
+    elapsed = [model.snapshot(t / 2).summary.elapsed_s for t in range(0, 30)]
+    assert elapsed == sorted(elapsed), elapsed
+    assert model.snapshot(14.0).summary.dead == 1
+    assert model.snapshot(14.0).summary.elapsed_s == 6.0  # last record + dead_after

@@ -98,7 +98,8 @@ def open_log_writer(
     """Open (create or append to) a replay log and write this session's header.
 
     Args:
-        path: the log file (conventionally `*.tlm`); parent folders are created.
+        path: the log file (conventionally `*.tlm`); parent folders are created, a new
+            file is readable by its owner only (0600).
         level: zstd compression level.
         flush_interval_s: longest time written frames stay only in memory.
     Returns:
@@ -110,7 +111,11 @@ def open_log_writer(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    file = open(path, "ab")  # noqa: SIM115 (the LogWriter owns and closes it)
+    # Created owner-only, like the relay's socket: the log holds the whole run's telemetry
+    # (hosts, pids, losses, tracebacks), which other users of the machine must not read.
+    # An existing file keeps the mode its owner gave it.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    file = os.fdopen(fd, "ab")  # the LogWriter owns and closes it
     writer = LogWriter(file, level=level, flush_interval_s=flush_interval_s)
     writer.write_message(
         {

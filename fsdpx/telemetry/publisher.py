@@ -58,6 +58,7 @@ from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
 from fsdpx.telemetry.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
 from fsdpx.telemetry.relay import Relay
 from fsdpx.telemetry.runs import RunIdentity
+from fsdpx.telemetry.sigterm import SigtermHook
 from fsdpx.telemetry.transport import Connection, connect, open_socket, parse_address, read_secret
 
 log = logging.getLogger("fsdpx.telemetry")
@@ -117,8 +118,9 @@ class Publisher:
         optimizer: the optimizer, for the first step's lr (None: the first record's lr
             is None; later ones come from the engine's optimizer).
         param_dtype: precision.param_dtype, to pick the device peak for MFU.
-        install_hooks: chain sys.excepthook (exception event) and register atexit
-            (exit event, final flush); both are undone by close().
+        install_hooks: chain sys.excepthook (exception event), register atexit (exit
+            event, final flush) and chain SIGTERM (exit event "terminated", see
+            fsdpx/telemetry/sigterm.py); all are undone by close().
         total_steps: the run's length, sent in the start event (the monitor's ETA).
         run: this launch's run id and job, the same on every rank (start.py agrees on
             them); None: from the config, a fresh run id when it names none (right for
@@ -184,10 +186,12 @@ class Publisher:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fsdpx-telemetry", daemon=True)
         self._prev_excepthook = None
+        self._sigterm = SigtermHook(lambda: self.close(reason="terminated"))
         if install_hooks:
             self._prev_excepthook = sys.excepthook
             sys.excepthook = self._excepthook
             atexit.register(self.close)
+            self._sigterm.install()  # [Note: chaining SIGTERM]
         self._hooks = install_hooks
         start: dict[str, Any] = {"world_size": world_size, "device": str(device), "job": run.job}
         if total_steps is not None:  # the monitor's ETA
@@ -299,12 +303,19 @@ class Publisher:
             detail["failed_rank"] = exc.failed_rank
         self.event("exception", step=step, detail=detail)
 
-    def close(self, *, reason: str = "closed", timeout_s: float = 3.0) -> None:
+    def close(self, *, reason: str | None = None, timeout_s: float = 3.0) -> None:
         """Send an "exit" event, flush what is queued (bounded by timeout_s), stop the
-        sender and any in-process relay, undo the hooks. Idempotent."""
+        sender and any in-process relay, undo the hooks. Idempotent.
+
+        Args:
+            reason: the exit event's reason; None: "terminated" after a SIGTERM (the job
+                was preempted or cancelled), else "closed".
+        """
         if self._closed:
             return
         self._closed = True
+        if reason is None:
+            reason = "terminated" if self._sigterm.received else "closed"
         self._meter.abort()
         detail = {"reason": reason, "dropped": self.dropped}
         detail["events_dropped"] = self.stats.events_dropped
@@ -316,6 +327,7 @@ class Publisher:
             if sys.excepthook == self._excepthook:
                 sys.excepthook = self._prev_excepthook or sys.__excepthook__
             atexit.unregister(self.close)
+            self._sigterm.uninstall()
         if self.relay is not None:
             self.relay.wait_for_sources(timeout_s)
             self.relay.stop()

@@ -521,7 +521,12 @@ class Relay:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m fsdpx.telemetry.relay`: run a relay until interrupted."""
-    parser = argparse.ArgumentParser(prog="python -m fsdpx.telemetry.relay", description=__doc__)
+    # Raw: the docstring's command lines, example and note keep their own line breaks.
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdpx.telemetry.relay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--listen", default=None, help="address (default: this node's socket)")
     parser.add_argument("--log", default=None, help="append frames to this zstd log (.tlm)")
     parser.add_argument("--secret-env", default=DEFAULT_SECRET_ENV, help="env var with secret")

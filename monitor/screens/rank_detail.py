@@ -11,7 +11,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from monitor.model import MonitorModel, Snapshot
-from monitor.table_view import end_note, fmt_age, fmt_flags, fmt_float, fmt_gib, fmt_si
+from monitor.table_view import end_note, fmt_age, fmt_flags, fmt_float, fmt_si
+from monitor.units import fmt_bytes, fmt_flops
 from monitor.widgets.curves import plot
 from monitor.widgets.events import describe
 
@@ -52,10 +53,12 @@ def _value(key: str, value: object) -> str:
     if value is None:
         return "-"
     if key in _MEMORY:
-        return f"{fmt_gib(value)} GiB"
+        return fmt_bytes(value)
     if key == "tokens_per_s":
         return fmt_si(value)
-    units = {"device_util": "%", "device_power_w": " W", "device_temp_c": " C", "tflops": ""}
+    if key == "tflops":
+        return fmt_flops(value)
+    units = {"device_util": "%", "device_power_w": " W", "device_temp_c": " C"}
     if key in units and isinstance(value, int | float):
         return f"{value:.1f}{units[key]}"
     if key == "mfu" and isinstance(value, int | float):

@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.widgets import RichLog
 
 from monitor.table_view import fmt_float
+from monitor.units import fmt_bytes
 
 _STYLES = {
     "exception": "bold red",
@@ -32,7 +33,7 @@ def describe(event: dict[str, Any], t0: float | None) -> Text:
     parts: list[str] = []
     if isinstance(detail, dict):
         if "bytes" in detail:
-            parts.append(f"{fmt_float(_gib(detail['bytes']), 2)} GiB")
+            parts.append(fmt_bytes(detail["bytes"]))
         if "duration_s" in detail:
             parts.append(f"{fmt_float(detail['duration_s'], 2)}s")
         if "loss_scale" in detail:
@@ -50,10 +51,6 @@ def describe(event: dict[str, Any], t0: float | None) -> Text:
     if parts:
         line.append("  " + "  ".join(parts).splitlines()[0] if parts else "")
     return line
-
-
-def _gib(value: Any) -> float | None:
-    return value / 1024**3 if isinstance(value, int | float) else None
 
 
 class EventsLog(RichLog):

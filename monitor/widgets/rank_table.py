@@ -24,6 +24,8 @@ from monitor.state import Flag, RankRow, RankStatus, Snapshot
 from monitor.table_view import (
     SORT_KEYS,
     Column,
+    empty_note,
+    filter_title,
     fit_columns,
     format_header,
     format_row,
@@ -43,6 +45,7 @@ class RankTable(ScrollView, can_focus=True):
         "rank-table--stale",
         "rank-table--dead",
         "rank-table--exited",
+        "rank-table--note",
     }
 
     BINDINGS = [
@@ -85,6 +88,9 @@ class RankTable(ScrollView, can_focus=True):
         self.order = order_rows(
             self._rows, sort_key=self.sort_key, descending=self.descending, query=self.filter_text
         )
+        # A filtered table says so on its top border: a hidden filter (the `o` key) must
+        # not make a short or empty table look like the whole run.
+        self.border_title = filter_title(self.filter_text, len(self.order), len(self._rows))
         if keep_rank is not None and keep_rank in self._rows:
             try:
                 self.cursor = self.order.index(keep_rank)
@@ -92,8 +98,8 @@ class RankTable(ScrollView, can_focus=True):
                 self.cursor = min(self.cursor, max(0, len(self.order) - 1))
         else:
             self.cursor = min(self.cursor, max(0, len(self.order) - 1))
-        self._columns = fit_columns(max(20, self.scrollable_content_region.width))
-        width = sum(c.width + 1 for c in self._columns)
+        self._columns = fit_columns(max(20, self.scrollable_content_region.width), rows=self._rows)
+        width = sum(c.width + 1 for c in self._columns) - 1
         self.virtual_size = Size(width, len(self.order) + 1)
         self.refresh()
 
@@ -152,6 +158,10 @@ class RankTable(ScrollView, can_focus=True):
         else:
             index = scroll_y + y - 1
             if index >= len(self.order):
+                if index == 0:  # an empty table says why, rather than looking like no run
+                    note = empty_note(self.filter_text, len(self._rows))
+                    style = base + self.get_component_rich_style("rank-table--note")
+                    return Strip([Segment(note, style)], len(note)).crop_extend(0, width, base)
                 return Strip.blank(width, base)
             row = self._rows[self.order[index]]
             text = format_row(row, self._columns)

@@ -1,0 +1,206 @@
+"""What a person sees in the monitor's corners (issue 13, item 6): narrow terminals on a
+CPU run, the outliers-only view, the detail screen's keys and units. Pilot tests that
+read the rendered screen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from monitor.app import MonitorApp
+from monitor.messages import TelemetryBatch
+from monitor.screens.rank_detail import RankDetailScreen
+from monitor.widgets.rank_table import RankTable
+from tests.test_monitor_app import LOG, open_replay, screen_lines, sync, table_lines
+
+MIB = 1024**2
+
+
+def cpu_record(rank: int, step: int, **extra: Any) -> dict[str, Any]:
+    """A CPU rank's record: no device memory, no NVML; host RSS only."""
+    return {
+        "rank": rank,
+        "host": "cpu-box",
+        "step": step,
+        "time": 100.0 + step,
+        "loss": 3.0 - 0.01 * step,
+        "step_time_s": 0.5,
+        "tokens_per_s": 4096.0,
+        "host_rss": 512 * MIB + rank * MIB,
+        "mem_allocated": None,
+        "mem_reserved": None,
+        "mem_peak": None,
+        "device_mem_total": None,
+        "device_util": None,
+        **extra,
+    }
+
+
+def live_app(tmp_path: Path) -> MonitorApp:
+    return MonitorApp(sources=[str(tmp_path / "nobody.sock")], clock=lambda: 110.0)
+
+
+async def feed_cpu_run(app: MonitorApp, pilot: Any, n_ranks: int = 3, **extra: Any) -> None:
+    records = [cpu_record(r, 10, **extra) for r in range(n_ranks)]
+    app.post_message(TelemetryBatch("test", records, [], received_at=110.0))
+    await pilot.pause()
+    app.refresh_view()
+    await pilot.pause()
+
+
+async def text_once(app: MonitorApp, pilot: Any, needle: str, timeout_s: float = 10.0) -> str:
+    """The screen's text once it shows `needle` (a pushed screen draws a refresh later,
+    which on a loaded machine can take more than one pause)."""
+    for _ in range(int(timeout_s / 0.05)):
+        app.refresh_view()
+        await pilot.pause(0.05)
+        text = "\n".join(screen_lines(app))
+        if needle in text:
+            return text
+    raise AssertionError(f"{needle!r} never appeared on screen:\n{text}")
+
+
+def header(app: MonitorApp) -> list[str]:
+    line = next(line for line in screen_lines(app) if line.lstrip().startswith("rank"))
+    return line.split()
+
+
+@sync
+async def test_cpu_run_at_60_columns_keeps_rss_with_a_unit(tmp_path: Path) -> None:
+    """Always-empty device columns (resv, mem%, ...) go before rss, which has a unit."""
+    app = live_app(tmp_path)
+    async with app.run_test(size=(60, 24)) as pilot:
+        await feed_cpu_run(app, pilot)
+        assert header(app) == [
+            "rank↑", "state", "step", "step_s", "loss", "rss", "age", "flags",
+        ]  # fmt: skip
+        row = table_lines(app)[0].split()
+        assert row[0] == "0" and row[5] == "512M"
+        assert all(len(line.rstrip()) <= 60 for line in screen_lines(app))
+
+
+@sync
+async def test_wide_terminal_keeps_every_column_even_empty_ones(tmp_path: Path) -> None:
+    """With room for all, nothing is hidden (the layout does not jump as data arrives)."""
+    app = live_app(tmp_path)
+    async with app.run_test(size=(120, 24)) as pilot:
+        await feed_cpu_run(app, pilot)
+        assert "resv" in header(app) and "mem%" in header(app) and "rss" in header(app)
+
+
+@sync
+async def test_sort_arrow_shows_on_the_flags_column(tmp_path: Path) -> None:
+    app = live_app(tmp_path)
+    async with app.run_test(size=(60, 24)) as pilot:
+        await feed_cpu_run(app, pilot)
+        app.query_one(RankTable).set_sort("flags", descending=True)
+        await pilot.pause()
+        assert header(app)[-1] == "flags↓"
+
+
+@sync
+async def test_outliers_only_is_shown_and_an_empty_result_says_no_outliers(
+    tmp_path: Path,
+) -> None:
+    app = live_app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await feed_cpu_run(app, pilot)
+        await pilot.press("o")
+        await pilot.pause()
+        text = "\n".join(screen_lines(app))
+        assert "outliers only (0 of 3 ranks)" in text
+        assert "no outliers among 3 ranks" in text
+        await pilot.press("o")  # off again: the whole run, no title
+        await pilot.pause()
+        text = "\n".join(screen_lines(app))
+        assert "outliers only" not in text and "no outliers" not in text
+
+
+@sync
+async def test_outliers_only_counts_the_outliers_of_a_replay() -> None:
+    app = MonitorApp(replay=LOG, paused=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_replay(app, pilot)
+        app.seek_to(15.0)
+        await pilot.press("o")
+        await pilot.pause()
+        assert "outliers only (4 of 12 ranks)" in "\n".join(screen_lines(app))
+
+
+@sync
+async def test_detail_screen_offers_no_keys_of_the_hidden_table() -> None:
+    app = MonitorApp(replay=LOG, paused=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await open_replay(app, pilot)
+        app.seek_to(15.0)
+        await pilot.press("enter")
+        await text_once(app, pilot, "step_time_s")
+        assert isinstance(app.screen, RankDetailScreen)
+        footer = screen_lines(app)[-1]
+        assert "back" in footer
+        assert "filter" not in footer and "outliers" not in footer
+        await pilot.press("o", "slash")  # and they do nothing behind it
+        await pilot.pause()
+        assert app.query_one(RankTable).filter_text == ""
+        assert isinstance(app.screen, RankDetailScreen)
+        await pilot.press("escape")
+        await pilot.pause()
+        footer = screen_lines(app)[-1]
+        assert "filter" in footer and "outliers" in footer
+
+
+@sync
+async def test_detail_screen_uses_adaptive_units(tmp_path: Path) -> None:
+    app = live_app(tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await feed_cpu_run(app, pilot, comm_bytes=12 * MIB, tflops=0.0482)
+        await pilot.press("enter")
+        text = await text_once(app, pilot, "comm_bytes")
+        assert "12.0 MiB" in text and "48.2 GFLOP/s" in text and "512 MiB" in text
+        assert "0.0 GiB" not in text
+
+
+def elapsed_on_screen(app: MonitorApp) -> str:
+    line = screen_lines(app)[1]
+    assert line.startswith("elapsed "), line
+    return line.split()[1]
+
+
+@sync
+async def test_elapsed_never_goes_back_when_the_ranks_stop(tmp_path: Path) -> None:
+    """Live, the clock runs until the last exit arrives; it used to fall back to the last
+    record's time (0:26 -> 0:23 at the end of the demo)."""
+    clock = [100.0]
+    app = MonitorApp(sources=[str(tmp_path / "nobody.sock")], clock=lambda: clock[0])
+    shown: list[str] = []
+    async with app.run_test(size=(80, 24)) as pilot:
+        for step in range(1, 24):  # a record per second from t=100 to 122
+            records = [cpu_record(r, step) for r in range(2)]
+            app.post_message(TelemetryBatch("test", records, [], received_at=clock[0]))
+            await pilot.pause()
+            clock[0] += 1.0
+            app.refresh_view()
+            await pilot.pause()
+            shown.append(elapsed_on_screen(app))
+        # The ranks tear down for 3 s after their last step; the monitor keeps refreshing.
+        for _ in range(3):
+            clock[0] += 1.0
+            app.refresh_view()
+            await pilot.pause()
+            shown.append(elapsed_on_screen(app))
+        exits = [
+            {"rank": r, "kind": "exit", "time": clock[0], "detail": {"reason": "closed"}}
+            for r in range(2)
+        ]
+        app.post_message(TelemetryBatch("test", [], exits, received_at=clock[0]))
+        await pilot.pause()
+        for _ in range(3):
+            clock[0] += 1.0
+            app.refresh_view()
+            await pilot.pause()
+            shown.append(elapsed_on_screen(app))
+        assert app.snapshot.summary.exited == 2
+    seconds = [int(m) * 60 + int(s) for m, s in (t.split(":") for t in shown)]
+    assert seconds == sorted(seconds), shown
+    # First record at t=101 (its own time), exits arrived at t=126: stopped there.
+    assert shown[-3:] == ["0:25"] * 3, shown
