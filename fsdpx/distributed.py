@@ -255,7 +255,14 @@ def _vanished_record(me: int) -> tuple[int | None, str] | None:
         return None
     world_size = dist.get_world_size()
     peers = _bounded(lambda: liveness.neighbours(store, me, world_size)) or []
-    gone = liveness.vanished(peers)
+
+    def explained() -> set[int]:
+        marks = _bounded(lambda: liveness.stopped(store))
+        # The store cannot say which ends were reported (its host may be the rank whose
+        # process ended, as with a plain env:// store on rank 0): no evidence, no name.
+        return {p.rank for p in peers} if marks is None else marks
+
+    gone = liveness.vanished(peers, explained=explained)
     if gone:
         text = (
             f"{gone[0].rank}: {_VANISHED}: {liveness.describe(gone)} vanished: its process "
@@ -277,6 +284,17 @@ def _vanished_record(me: int) -> tuple[int | None, str] | None:
 
 
 def _peer_failure_error(exc: BaseException) -> RankFailureError:
+    error = _describe_peer_failure(exc)
+    store = _store()
+    if store is not None and dist.is_initialized():
+        # This process is about to end for a reason it reports: peers still looking for a
+        # vanished rank must not take its end for one ([Note: vanished ranks]).
+        rank = dist.get_rank()
+        _bounded(lambda: liveness.mark_stopped(store, rank))
+    return error
+
+
+def _describe_peer_failure(exc: BaseException) -> RankFailureError:
     me = dist.get_rank() if dist.is_initialized() else 0
     failure = first_failure()
     if failure is None:

@@ -19,6 +19,13 @@ loaded host delays a heartbeat as much as a hang does). The check is repeated fo
 bounded time (`VANISH_WAIT_S`) because a killed process closes its sockets a moment
 before the kernel marks it a zombie, and the survivor can see the reset in between.
 
+A process that has ended is evidence only when its end is unexplained: a survivor that
+raised RankFailureError (its collective failed because of a peer, or timed out on a
+stalled one) ends too, moments later. Before raising, every such rank appends its rank
+to one job-wide key (`mark_stopped`), and a peer listed there is never named as having
+vanished; without that, a healthy rank that timed out first on a stalled-but-alive peer
+and exited would be blamed by the survivors still looking (found in review).
+
 Ranks in another namespace (other nodes) cannot be checked this way; a survivor there
 waits, bounded, for a same-node survivor of the dead rank to record what it found (see
 fsdpx/distributed.py). Without /proc (macOS) nothing is announced and nothing is named.
@@ -30,6 +37,7 @@ import hashlib
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -37,7 +45,8 @@ from typing import Any, cast
 import torch.distributed as dist
 
 _PREFIX = "fsdpx/ranks_in/"
-VANISH_WAIT_S = 2.0
+_STOPPED_KEY = "fsdpx/ranks_stopped"
+VANISH_WAIT_S = 5.0
 """Longest time a survivor keeps looking for an ended peer process (see the note)."""
 _POLL_S = 0.02
 
@@ -101,6 +110,20 @@ def announce(store: dist.Store, rank: int) -> None:
     cast(Any, store).append(key, f"{rank},{os.getpid()},{stat[1]};")
 
 
+def mark_stopped(store: dist.Store, rank: int) -> None:
+    """Say that this rank is about to end for a reason it reported (see the note), so its
+    ended process is not taken for a rank that vanished."""
+    cast(Any, store).append(_STOPPED_KEY, f"{rank};")
+
+
+def stopped(store: dist.Store) -> set[int]:
+    """The ranks that said they were ending (mark_stopped)."""
+    if not store.check([_STOPPED_KEY]):
+        return set()
+    text = store.get(_STOPPED_KEY).decode(errors="replace")
+    return {int(r) for r in text.split(";") if r.isdigit()}
+
+
 def is_gone(proc: RankProcess) -> bool:
     """Whether the announced process has ended (gone, a zombie, or its pid reused)."""
     try:
@@ -125,14 +148,29 @@ def neighbours(store: dist.Store, rank: int, world_size: int) -> list[RankProces
     return sorted(found.values(), key=lambda p: p.rank)
 
 
-def vanished(peers: list[RankProcess], wait_s: float = VANISH_WAIT_S) -> list[RankProcess]:
-    """The peers whose processes have ended, looking again for up to wait_s while none has.
+def vanished(
+    peers: list[RankProcess],
+    wait_s: float = VANISH_WAIT_S,
+    *,
+    explained: Callable[[], set[int]] = set,
+) -> list[RankProcess]:
+    """The peers whose processes have ended unexplained, looking again for up to wait_s
+    while none has.
 
-    Returns as soon as one has ended (all that have, by then); [] after wait_s otherwise.
+    Args:
+        peers: the processes to check (neighbours()).
+        wait_s: how long to keep looking while none has ended.
+        explained: ranks whose end is explained (stopped()), read after a process is
+            seen gone, so a mark made just before that process exited is seen.
+    Returns:
+        As soon as one has ended unexplained, all that have by then; [] after wait_s.
     """
     deadline = time.monotonic() + wait_s
     while True:
         gone = [p for p in peers if is_gone(p)]
+        if gone:
+            skip = explained()
+            gone = [p for p in gone if p.rank not in skip]
         if gone or not peers or time.monotonic() >= deadline:
             return gone
         time.sleep(_POLL_S)

@@ -141,3 +141,37 @@ def test_close_restores_the_previous_handler(tmp_path: Path) -> None:
     finally:
         signal.signal(signal.SIGTERM, old)
     assert seen == []
+
+
+_TWO_HOOKS = """
+import os, signal, sys
+from fsdpx.telemetry.sigterm import SigtermHook
+calls = []
+a = SigtermHook(lambda: calls.append("a")); a.install()
+b = SigtermHook(lambda: calls.append("b")); b.install()
+def report():
+    print(",".join(calls), flush=True)
+a._on_term = lambda: (calls.append("a"), report())  # the last hook to run prints
+print("ready", flush=True)
+signal.pause()
+print("survived", flush=True)
+"""
+
+
+def test_two_hooks_in_one_process_both_speak_then_die_of_sigterm() -> None:
+    """Two publishers (two engines) in one process: each says its last words once and the
+    process dies of SIGTERM (in review the second hook bounced the signal back down the
+    chain until a RecursionError escaped into training)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TWO_HOOKS],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"  # both hooks installed: a state
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]
+    assert out.split() == ["b,a"], err[-2000:]

@@ -18,7 +18,12 @@ as if they had crashed.
   raise (SystemExit runs atexit, where the publisher closes); either way the exit event
   that follows says "terminated";
 - puts the previous handler back on `uninstall()` (the publisher's close), unless someone
-  installed another handler after it, which it then leaves in place.
+  installed another handler after it, which it then leaves in place;
+- over another publisher's hook (two engines in one process), runs its own `on_term` when
+  the chain ends in the default action, then hands the signal down; the default action is
+  always taken with SIG_DFL set explicitly, so a hook left on top can never bounce the
+  re-raised signal back down the chain (found in review: two hooks recursed until a
+  RecursionError escaped into training).
 """
 
 from __future__ import annotations
@@ -78,14 +83,23 @@ class SigtermHook:
         if signal.getsignal(signal.SIGTERM) == self._handle:
             signal.signal(signal.SIGTERM, self._previous)
 
+    def _dies(self) -> bool:
+        """Whether a SIGTERM reaching this hook ends in the default action (death)."""
+        below = getattr(self._previous, "__self__", None)
+        if isinstance(below, SigtermHook):
+            return below._dies()
+        return not callable(self._previous)
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = True
         previous = self._previous
-        if callable(previous):
+        if self._dies():
+            # Telemetry must never change how the process ends.
+            with contextlib.suppress(Exception):
+                self._on_term()
+        if callable(previous):  # a script's handler decides, or another hook passes it on
             previous(signum, frame)
             return
-        # Telemetry must never change how the process ends.
-        with contextlib.suppress(Exception):
-            self._on_term()
-        self.uninstall()
+        self.installed = False
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # the default action: die of SIGTERM
