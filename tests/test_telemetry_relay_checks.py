@@ -217,6 +217,7 @@ def _handshake(relay: Relay, role: str, **fields: Any) -> dict[str, Any]:
         ("monitor", {"host": b"h", "pid": 1}, "'host' must be a str; got bytes"),
         ("monitor", {"host": "h", "pid": 1.5}, "'pid' must be an int; got float"),
         ("monitor", {"host": "h", "pid": 1, "run_id": 7}, "'run_id' must be a str; got int"),
+        ("monitor", {"host": "h", "pid": 1, "job": ["x"]}, "'job' must be a str; got list"),
         ("rank", {"rank": 0, "host": "h", "pid": 1, "world_size": 0}, "'world_size' must be an"),
     ],
 )

@@ -63,9 +63,14 @@ def agree_run(cfg: TelemetryConfig, info: DistInfo) -> RunIdentity:
     """
     run = RunIdentity.for_launch(cfg.run_id, cfg.job, env=os.environ)
     if info.world_size > 1 and dist.is_initialized():
+        from fsdpx.distributed import failure_guard
+
         box: list[RunIdentity | None] = [run if info.rank == 0 else None]
         # On the training device: a cuda:nccl,cpu:gloo or nccl-only group both take it.
-        dist.broadcast_object_list(box, src=0, device=torch.device(info.device))
+        # Guarded like every engine collective: a peer dying during start-up gives a
+        # RankFailureError naming it, not a raw backend error out of telemetry code.
+        with failure_guard():
+            dist.broadcast_object_list(box, src=0, device=torch.device(info.device))
         assert box[0] is not None
         run = box[0]
     return run

@@ -34,6 +34,7 @@ _HELLO_FIELDS: tuple[tuple[str, str, Callable[[Any], bool], tuple[str, ...]], ..
     ("local_rank", "an int >= 0", lambda v: type(v) is int and v >= 0, ()),
     ("world_size", "an int >= 1", lambda v: type(v) is int and v >= 1, ()),
     ("run_id", "a str", lambda v: type(v) is str, ()),
+    ("job", "a str", lambda v: type(v) is str, ()),
     ("nonce", "a bin of 32 bytes", lambda v: type(v) is bytes and len(v) == _NONCE_BYTES, ()),
     ("auth", "a bin of 32 bytes", lambda v: type(v) is bytes and len(v) == _NONCE_BYTES, ()),
 )
