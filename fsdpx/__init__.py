@@ -27,6 +27,7 @@ _EXPORTS = {
     "CheckpointError": "checkpoint_tools.format",
     "CheckpointNotFoundError": "checkpoint_tools.format",
     "Config": "fsdpx.config",
+    "DeepSpeedCheckpointError": "checkpoint_tools.format",
     "DistInfo": "fsdpx.distributed",
     "Engine": "fsdpx.engine",
     "FsdpxError": "fsdpx.errors",
@@ -48,6 +49,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "Config",
+    "DeepSpeedCheckpointError",
     "DistInfo",
     "Engine",
     "FsdpxError",
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
         CheckpointCorruptError,
         CheckpointError,
         CheckpointNotFoundError,
+        DeepSpeedCheckpointError,
     )
     from fsdpx.clip import clip_grad_norm_, total_grad_norm
     from fsdpx.config import Config

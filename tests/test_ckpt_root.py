@@ -1,12 +1,14 @@
 """The checkpoint root's rules (checkpoint_tools/format/root.py, FORMAT.md §2.1), judged
 the same way by the runtime (`fsdpx.checkpoint.load`, `Engine.load_checkpoint`) and the
 offline tools (`resolve_checkpoint`, `fsdpx-ckpt`): tags, hostile `latest` files, what
-"committed" means."""
+"committed" means, and DeepSpeed folders, which are never "no checkpoint"."""
 
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,11 +16,14 @@ import pytest
 import torch
 from torch import nn
 
+import fsdpx
 import fsdpx.checkpoint as ckpt
-from checkpoint_tools import resolve_checkpoint
+from checkpoint_tools import load_state_dict, resolve_checkpoint
+from checkpoint_tools.cli import main
 from checkpoint_tools.format import (
     CheckpointFormatError,
     CheckpointNotFoundError,
+    DeepSpeedCheckpointError,
 )
 from checkpoint_tools.format.root import (
     LATEST,
@@ -26,6 +31,7 @@ from checkpoint_tools.format.root import (
     check_tag,
     committed,
     read_latest,
+    resolve,
     write_latest,
 )
 
@@ -200,3 +206,69 @@ def test_one_owner_of_the_root_rules() -> None:
                 if isinstance(node, ast.FunctionDef) and node.name in owned:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
     assert not found, found
+
+
+# --- DeepSpeed folders --------------------------------------------------------------------
+
+
+def _deepspeed_folder(tmp_path: Path, *, latest: bool = True) -> Path:
+    """DeepSpeed's layout (the file names only: nothing here is ever opened)."""
+    ds = tmp_path / "ds"
+    (ds / "global_step10").mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (ds / "global_step10" / name).write_bytes(b"PK\x03\x04 not read")
+    if latest:
+        (ds / "latest").write_text("global_step10")
+    return ds
+
+
+_DS = r"is a DeepSpeed checkpoint folder \(it holds '.*_states\.pt'\).*fsdpx cannot load "
+_DS += "DeepSpeed checkpoints directly.*DeepSpeed checkpoint import is not available yet"
+
+
+@pytest.mark.parametrize("latest", [True, False], ids=["with-latest", "without-latest"])
+def test_deepspeed_folder_is_never_no_checkpoint(tmp_path: Path, latest: bool) -> None:
+    ds = _deepspeed_folder(tmp_path, latest=latest)
+    calls: list[Callable[[], object]] = [
+        lambda: ckpt.load(ds, _model()),
+        lambda: ckpt.load(ds / "global_step10", _model()),
+        lambda: resolve(ds, "global_step10"),
+        lambda: resolve_checkpoint(ds),
+        lambda: resolve_checkpoint(ds / "global_step10"),
+        lambda: load_state_dict(ds),
+    ]
+    for call in calls:
+        with pytest.raises(DeepSpeedCheckpointError, match=_DS) as info:
+            call()
+        assert isinstance(info.value, CheckpointFormatError)
+        assert not isinstance(info.value, CheckpointNotFoundError)
+    # The other resolver paths still say "not found" for a plain empty directory.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError):
+        resolve_checkpoint(tmp_path / "empty")
+
+
+def test_deepspeed_folder_through_the_engine_and_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ds = _deepspeed_folder(tmp_path)
+    engine = fsdpx.shard(_model(), fsdpx.Config.from_dict({"zero": {"stage": 0}}))
+    with pytest.raises(DeepSpeedCheckpointError, match=_DS):
+        engine.load_checkpoint(ds)
+    assert main(["verify", str(ds)]) == 1
+    assert "DeepSpeedCheckpointError" in capsys.readouterr().err
+
+
+def test_deepspeed_hint_names_no_command_that_does_not_exist(tmp_path: Path) -> None:
+    # When `fsdpx-ckpt import-deepspeed` lands, this fails until the hint names it
+    # (checkpoint_tools/format/deepspeed_folder.py: IMPORT_HINT).
+    help_text = subprocess.run(
+        [sys.executable, "-m", "checkpoint_tools", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    with pytest.raises(DeepSpeedCheckpointError) as info:
+        resolve_checkpoint(_deepspeed_folder(tmp_path))
+    assert ("import-deepspeed" in help_text) == ("import-deepspeed" in str(info.value))

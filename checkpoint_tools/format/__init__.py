@@ -14,6 +14,7 @@ from checkpoint_tools.format.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointVersionError,
+    DeepSpeedCheckpointError,
 )
 from checkpoint_tools.format.layout import (
     DTYPES,
@@ -46,6 +47,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointVersionError",
     "Chunk",
+    "DeepSpeedCheckpointError",
     "Piece",
     "RankFile",
     "RankWriter",

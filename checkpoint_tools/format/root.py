@@ -22,6 +22,8 @@ one of them. The rules, stated once:
   that holds a MANIFEST which is a regular file (not a symlink: readers refuse those).
   Committed checkpoints are ordered by the MANIFEST's modification time (the commit
   time), then by name.
+- A DeepSpeed checkpoint folder (its `latest` plus `global_stepN/*_states.pt`) is never
+  mistaken for "no checkpoint here": both resolvers raise DeepSpeedCheckpointError.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import stat
 from pathlib import Path
 from typing import IO, Any
 
+from checkpoint_tools.format.deepspeed_folder import deepspeed_evidence, deepspeed_folder_error
 from checkpoint_tools.format.errors import CheckpointFormatError, CheckpointNotFoundError
 from checkpoint_tools.format.files import open_inside
 from checkpoint_tools.format.layout import MANIFEST_NAME
@@ -169,6 +172,12 @@ def committed(root: Path) -> list[Path]:
 # --- resolving --------------------------------------------------------------------------
 
 
+def _refuse_deepspeed(path: Path) -> None:
+    evidence = deepspeed_evidence(path)
+    if evidence is not None:
+        raise deepspeed_folder_error(path, evidence)
+
+
 def resolve(root: str | os.PathLike[str], tag: str | None = None) -> Path:
     """The checkpoint directory `<root>/<tag>` (tag None: the one `<root>/latest` names).
     The runtime's resolver: `root` is always a checkpoint root.
@@ -178,6 +187,7 @@ def resolve(root: str | os.PathLike[str], tag: str | None = None) -> Path:
         CheckpointNotFoundError: no such root, no `latest` (tag None), or no such tag
             directory; the message lists the committed checkpoints found.
         CheckpointFormatError: a bad `latest` (see read_latest).
+        DeepSpeedCheckpointError: `root` is a DeepSpeed checkpoint folder.
 
     Example::
 
@@ -193,6 +203,7 @@ def resolve(root: str | os.PathLike[str], tag: str | None = None) -> Path:
         tag = read_latest(root)
         named = " (the one 'latest' names)"
         if tag is None:
+            _refuse_deepspeed(root)
             raise CheckpointNotFoundError(
                 f"no checkpoint to load: {str(root)!r} has no 'latest' file (written after "
                 f"a checkpoint is committed). {_listing(root)}"
@@ -205,6 +216,8 @@ def resolve(root: str | os.PathLike[str], tag: str | None = None) -> Path:
         raise CheckpointNotFoundError(
             f"checkpoint {str(path)!r}{named} does not exist. {_listing(root)}"
         )
+    if not os.path.lexists(path / MANIFEST_NAME):
+        _refuse_deepspeed(path)
     return path
 
 
@@ -229,6 +242,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         CheckpointNotFoundError: nothing there, or a root without `latest` (the message
             lists the committed tags found), or `latest` naming a missing directory.
         CheckpointFormatError: a bad `latest` (see read_latest).
+        DeepSpeedCheckpointError: `path` is a DeepSpeed checkpoint folder.
 
     Example::
 
@@ -242,6 +256,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return p
     tag = read_latest(p)
     if tag is None:
+        _refuse_deepspeed(p)
         tags = [d.name for d in committed(p)]
         hint = (
             f"committed checkpoints here: {', '.join(tags)}"
@@ -260,4 +275,6 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             "directory explicitly",
             path=target,
         )
+    if not os.path.lexists(target / MANIFEST_NAME):
+        _refuse_deepspeed(target)
     return target

@@ -30,6 +30,7 @@ from checkpoint_tools.format import (
     CheckpointNotFoundError,
     CheckpointReader,
     CheckpointVersionError,
+    DeepSpeedCheckpointError,
     optim_name,
 )
 from checkpoint_tools.format.root import committed, resolve
@@ -56,6 +57,7 @@ _REBUILDABLE: dict[str, type[Exception]] = {
         CheckpointCorruptError,
         CheckpointFormatError,
         CheckpointVersionError,
+        DeepSpeedCheckpointError,
     )
 }
 
@@ -301,11 +303,12 @@ def load(
         LoadResult(path, client_state, engine_state).
     Raises:
         CheckpointNotFoundError: no `latest` (or no such tag); CheckpointFormatError: a
-        bad `latest` (symlink, oversized, not a tag); CheckpointCorruptError: a checksum
-        failed (names file, tensor and offset, and an older checkpoint that verifies);
-        ValueError: a bad tag, or the model or optimizer does not match the checkpoint.
-        The directory is resolved by checkpoint_tools.format.root.resolve (FORMAT.md
-        §2.1). Every rank raises the same error.
+        bad `latest` (symlink, oversized, not a tag); DeepSpeedCheckpointError: a
+        DeepSpeed checkpoint folder; CheckpointCorruptError: a checksum failed (names
+        file, tensor and offset, and an older checkpoint that verifies); ValueError: a
+        bad tag, or the model or optimizer does not match the checkpoint. The directory
+        is resolved by checkpoint_tools.format.root.resolve (FORMAT.md §2.1). Every rank
+        raises the same error.
 
     Example::
 
