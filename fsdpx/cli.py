@@ -118,8 +118,8 @@ def _add_config_explain(sub: argparse._SubParsersAction) -> None:
 
 
 def _config_explain(args: argparse.Namespace) -> int:
-    from fsdpx.deepspeed_config import explain, world_size_from_env
-    from fsdpx.deepspeed_explain import format_explain, key_table_markdown
+    from fsdpx.deepspeed._config import explain, world_size_from_env
+    from fsdpx.deepspeed._explain import format_explain, key_table_markdown
 
     if args.all_keys:
         print(key_table_markdown())

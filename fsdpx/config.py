@@ -640,7 +640,7 @@ class Config:
 
             cfg = Config.from_deepspeed("ds_config_zero2.json", world_size=8)
         """
-        from fsdpx.deepspeed_config import from_deepspeed
+        from fsdpx.deepspeed._config import from_deepspeed
 
         return from_deepspeed(path_or_dict, world_size=world_size)
 

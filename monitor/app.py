@@ -178,11 +178,7 @@ class MonitorApp(App[None]):
         return post
 
     def _post_batch(self, batch: Batch) -> None:
-        self.post_message(
-            TelemetryBatch(
-                batch.source, batch.records, batch.events, batch.received_at, batch.history
-            )
-        )
+        self.post_message(TelemetryBatch(**vars(batch)))
 
     @property
     def shown_run(self) -> str | None:

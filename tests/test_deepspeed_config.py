@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fsdpx.config import Config
-from fsdpx.deepspeed_config import explain, translate
-from fsdpx.deepspeed_json import strip_comments_and_trailing_commas
-from fsdpx.deepspeed_keys import DS_KEYS
+from fsdpx.deepspeed._config import explain, translate
+from fsdpx.deepspeed._json import strip_comments_and_trailing_commas
+from fsdpx.deepspeed._keys import DS_KEYS
 from tests import ds_bodies
 from tests.dist import run_ranks
 

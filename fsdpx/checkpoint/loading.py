@@ -36,7 +36,6 @@ from checkpoint_tools.format import (
 from checkpoint_tools.format.root import committed, resolve
 from fsdpx.checkpoint import commit
 from fsdpx.checkpoint.state import (
-    local_tensor,
     model_tensors,
     offload_owner,
     offload_view,
@@ -46,6 +45,7 @@ from fsdpx.checkpoint.state import (
     set_rng_state,
     with_masters,
 )
+from fsdpx.dtensor import to_local
 
 _REBUILDABLE: dict[str, type[Exception]] = {
     c.__name__: c
@@ -103,7 +103,7 @@ class _Loader:
 
     def read_into(self, name: str, target: torch.Tensor) -> None:
         shape, offsets = rectangle(target)
-        local = local_tensor(target)
+        local = to_local(target).detach()
         if local.numel() == 0:
             return
         data = self.reader.read(name, offsets, shape)
@@ -211,7 +211,7 @@ class _Loader:
             )
         full = self.reader.read(name)
         # torch keeps a scalar `step` on the CPU unless the optimizer is fused/capturable.
-        device = local_tensor(p).device if (full.dim() > 0 or on_device) else torch.device("cpu")
+        device = to_local(p).device if (full.dim() > 0 or on_device) else torch.device("cpu")
         return full.to(device)
 
 

@@ -7,8 +7,8 @@ import json
 from collections.abc import Sequence
 
 from fsdpx.config import Config
-from fsdpx.deepspeed_config import Row, summary_line
-from fsdpx.deepspeed_keys import DS_KEYS
+from fsdpx.deepspeed._config import Row, summary_line
+from fsdpx.deepspeed._keys import DS_KEYS
 
 
 def _cell(value: object, width: int) -> str:

@@ -1,4 +1,4 @@
-"""DeepSpeed JSON config -> fsdpx.Config, driven by the key table in fsdpx.deepspeed_keys.
+"""DeepSpeed JSON config -> fsdpx.Config, driven by the key table in fsdpx.deepspeed._keys.
 
 A DeepSpeed script ports by replacing ``deepspeed.initialize(...)`` with::
 
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fsdpx.config import SCHEDULER_KEYS, Config
-from fsdpx.deepspeed_json import load_deepspeed_config
-from fsdpx.deepspeed_keys import DS_KEYS, OPTIMIZER_TYPES, KeyRule
+from fsdpx.deepspeed._json import load_deepspeed_config
+from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES, KeyRule
 
 logger = logging.getLogger("fsdpx")
 

@@ -1,5 +1,5 @@
 """The DeepSpeed config keys fsdpx knows, and what it does with each: one table, read by the
-translator (fsdpx.deepspeed_config) and printed by `fsdpx config explain`.
+translator (fsdpx.deepspeed._config) and printed by `fsdpx config explain`.
 
 Each key is a dotted path into DeepSpeed's JSON config and has one rule:
 

@@ -1,0 +1,44 @@
+"""fsdpx.deepspeed: the home of DeepSpeed compatibility.
+
+A DeepSpeed script will import this package as ``import fsdpx.deepspeed as deepspeed``, so
+its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). None is
+provided yet: ``initialize`` and the rest come with their own issue and are absent until
+then, not stubbed.
+
+The DeepSpeed *config* translation lives here under private names, imported directly by
+its callers (``Config.from_deepspeed``, ``fsdpx config explain``):
+
+    _json.py      reads a ds_config file (comments and trailing commas included)
+    _keys.py      the key table: every DeepSpeed key mapped, ignored or refused
+    _config.py    translates a ds_config dict into fsdpx.Config through that table
+    _explain.py   prints the translation table (``fsdpx config explain``)
+
+[Note: lazy deepspeed package] ``_config`` imports ``fsdpx.config``, and
+``fsdpx.config`` imports ``_config`` inside ``Config.from_deepspeed``. If this file
+imported its submodules eagerly, importing any of them would first run this file and
+form a cycle through ``fsdpx.config``. Public names are therefore resolved on first use
+(PEP 562 ``__getattr__``) from ``_EXPORTS``, and this file imports nothing from fsdpx.
+"""
+
+# Imports under private aliases and no `from __future__ import annotations`: every public
+# name of this module is a DeepSpeed name, so `dir(deepspeed)` shows nothing of fsdpx's own.
+import importlib as _importlib
+from typing import Any as _Any
+
+# public name (a DeepSpeed name) -> module that defines it; filled by the issue that adds them
+_EXPORTS: dict[str, str] = {}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> _Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdpx.deepspeed' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
