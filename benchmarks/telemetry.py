@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdpx  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from fsdpx.telemetry.protocol import RECORD_FIELDS, encode_frame  # noqa: E402
-from fsdpx.telemetry.relay import Relay  # noqa: E402
-from fsdpx.telemetry.transport import connect  # noqa: E402
+from fsdpx.telemetry.wire.protocol import RECORD_FIELDS, encode_frame  # noqa: E402
+from fsdpx.telemetry.wire.relay import Relay  # noqa: E402
+from fsdpx.telemetry.wire.transport import connect  # noqa: E402
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdpx.telemetry.logfile import iter_log
-from fsdpx.telemetry.transport import DEFAULT_SECRET_ENV, default_address, read_secret
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.transport import DEFAULT_SECRET_ENV, default_address, read_secret
 
 if TYPE_CHECKING:
     from monitor.app import MonitorApp

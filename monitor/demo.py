@@ -69,7 +69,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         run_demo(argparse.Namespace(steps=20, ranks=2, out=Path("out/demo"), every=5))
     """
-    from fsdpx.telemetry.relay import Relay
+    from fsdpx.telemetry.wire.relay import Relay
 
     if args.steps < 1 or args.ranks < 1 or args.every < 1:
         print(

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpx.telemetry.logfile import iter_log
-from fsdpx.telemetry.protocol import EVENT_FIELDS, RECORD_FIELDS
-from fsdpx.telemetry.runs import run_of
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.protocol import EVENT_FIELDS, RECORD_FIELDS
+from fsdpx.telemetry.wire.runs import run_of
 
 _RUN_FIRST = ("run_id", "job")
 RECORD_COLUMNS = _RUN_FIRST + tuple(k for k in RECORD_FIELDS if k not in _RUN_FIRST)

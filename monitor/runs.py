@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpx.telemetry.runs import run_of
+from fsdpx.telemetry.wire.runs import run_of
 from monitor.model import MonitorModel
 from monitor.state import MonitorSettings
 

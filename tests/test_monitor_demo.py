@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsdpx.cli import main as fsdpx_main
-from fsdpx.telemetry.logfile import iter_log
+from fsdpx.telemetry.wire.logfile import iter_log
 
 ROOT = Path(__file__).resolve().parent.parent
 

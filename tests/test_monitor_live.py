@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.transport import connect
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.transport import connect
 from monitor.app import MonitorApp
 from monitor.receiver import Batch, RelayClient
 from monitor.synthetic import SyntheticRun

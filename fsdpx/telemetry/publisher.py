@@ -55,11 +55,17 @@ from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
-from fsdpx.telemetry.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.runs import RunIdentity
 from fsdpx.telemetry.sigterm import SigtermHook
-from fsdpx.telemetry.transport import Connection, connect, open_socket, parse_address, read_secret
+from fsdpx.telemetry.wire.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.runs import RunIdentity
+from fsdpx.telemetry.wire.transport import (
+    Connection,
+    connect,
+    open_socket,
+    parse_address,
+    read_secret,
+)
 
 log = logging.getLogger("fsdpx.telemetry")
 _BATCH = 512  # records per frame: ~200 KB, well under MAX_FRAME_BYTES

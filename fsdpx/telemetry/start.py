@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpx.config import Config, TelemetryConfig
-from fsdpx.telemetry.runs import RunIdentity
+from fsdpx.telemetry.wire.runs import RunIdentity
 
 if TYPE_CHECKING:
     from fsdpx.distributed import DistInfo

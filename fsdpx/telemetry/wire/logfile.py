@@ -28,7 +28,12 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from fsdpx.telemetry.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
+from fsdpx.telemetry.wire.protocol import (
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    ProtocolError,
+    encode_frame,
+)
 
 LOG_SUFFIX = ".tlm"
 _READ_CHUNK = 1 << 16

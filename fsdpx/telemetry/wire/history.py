@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from fsdpx.telemetry.protocol import EVENT_FIELDS, MAX_FRAME_BYTES, RECORD_FIELDS
+from fsdpx.telemetry.wire.protocol import EVENT_FIELDS, MAX_FRAME_BYTES, RECORD_FIELDS
 
 _PACKER_OVERHEAD = 64  # map header, keys, array headers of one history body
 _FRAME_LIMIT = MAX_FRAME_BYTES - 64  # room for a monitor connection's 32-byte HMAC tag
