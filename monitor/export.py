@@ -3,7 +3,7 @@
 Both stream the log (a long run's log need not fit in memory) and keep the first record
 of each (run, rank, step): a publisher that resends after a reconnect must not double
 rows, and a second run in the same log (a resume, or another job on a relay that
-outlived the first) is kept apart by its `run_id` (fsdpx/telemetry/runs.py [Note: run
+outlived the first) is kept apart by its `run_id` (fsdpx/telemetry/wire/runs.py [Note: run
 identity]); `run=` picks one run.
 """
 

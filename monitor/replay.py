@@ -24,7 +24,7 @@ SPEEDS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
 def load_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All messages of a replay log (see fsdpx/telemetry/logfile.py).
+    """All messages of a replay log (see fsdpx/telemetry/wire/logfile.py).
 
     Raises:
         ValueError: not a telemetry log. OSError: unreadable file.

@@ -1,4 +1,4 @@
-"""The monitor against a real relay (fsdpx/telemetry/relay.py) in this process: history for
+"""The monitor against a real relay (fsdpx/telemetry/wire/relay.py) in this process: history for
 a late monitor, live records after it, the shared-secret handshake, and the app itself."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Runs are kept apart (fsdpx/telemetry/runs.py [Note: run identity]): two launches into
+"""Runs are kept apart (fsdpx/telemetry/wire/runs.py [Note: run identity]): two launches into
 one relay log export as two runs with all their rows, every rank of a launch shares its
 run id, the relay's history and the monitor's state never mix runs, old logs still read."""
 

@@ -130,7 +130,7 @@ class Publisher:
         total_steps: the run's length, sent in the start event (the monitor's ETA).
         run: this launch's run id and job, the same on every rank (start.py agrees on
             them); None: from the config, a fresh run id when it names none (right for
-            a one-process job only). See fsdpx/telemetry/runs.py [Note: run identity].
+            a one-process job only). See fsdpx/telemetry/wire/runs.py [Note: run identity].
 
     Example::
 

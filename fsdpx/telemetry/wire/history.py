@@ -8,7 +8,7 @@ recent past in detail, in bounded memory. Records and events are kept msgpack-en
 An item too large for any history frame is kept as a small stand-in marked `truncated`
 (see [Note: oversized history items]).
 
-Runs are kept apart (a relay can outlive a job: fsdpx/telemetry/runs.py [Note: run
+Runs are kept apart (a relay can outlive a job: fsdpx/telemetry/wire/runs.py [Note: run
 identity]): a rank's records of two runs never share one history, and only the newest
 `max_runs` runs are remembered, so a relay serving job after job stays bounded.
 """
