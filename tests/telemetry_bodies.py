@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fsdpx
-from examples.gpt import shard_batch
+from fsdpx.demo.gpt import shard_batch
 from tests.parity import LR, global_batches, make_model
 
 E2E_STEPS = 6
