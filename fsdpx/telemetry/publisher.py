@@ -26,11 +26,12 @@ closed, and no sender can know that. A send failure can therefore lose only even
 (a records batch that fit in the socket buffer, then an events frame that did not);
 `send_failures > 0` does not imply `dropped > 0`.
 
-Checkpoint code reports saves and loads with::
+The engine reports its checkpoint saves and loads through
+fsdpx/telemetry/checkpoint_events.py ([Note: checkpoint events] in
+fsdpx/checkpoint/saving.py), which calls, on rank 0::
 
-    if engine.telemetry is not None:
-        engine.telemetry.event("checkpoint_saved", step=engine.global_steps,
-                               detail={"path": str(path), "bytes": n, "duration_s": dt})
+    publisher.event("checkpoint_saved", step=step, detail={"path": ..., "tag": ...,
+                    "bytes": n, "duration_s": dt, "async": background})
 """
 
 from __future__ import annotations
