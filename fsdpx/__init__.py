@@ -9,7 +9,7 @@ Example::
     engine.backward(loss)
     engine.step()
 
-The names below are imported on first use (PEP 562): `import fsdpx.telemetry.protocol`
+The names below are imported on first use (PEP 562): `import fsdpx.telemetry.wire.protocol`
 (the monitor) must not load torch's distributed runtime just because this package file
 runs first. The checkpoint errors are defined by `checkpoint_tools.format` (the format's
 one name) and offered here so that `fsdpx.CheckpointError` works.

@@ -23,7 +23,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Input
 
-from fsdpx.telemetry.transport import parse_address
+from fsdpx.telemetry.wire.transport import parse_address
 from monitor.messages import ConnectionChanged, ReplayLoaded, TelemetryBatch
 from monitor.model import MonitorModel, MonitorSettings, Snapshot
 from monitor.receiver import Batch, RelayClient

@@ -12,6 +12,7 @@ checkpoint (see [Note: pipeline checkpoints] in saving.py).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,9 @@ class LoadResult:
     """The client_state given to save (rank 0's)."""
     engine_state: dict[str, int] = field(default_factory=dict)
     """Step counters given to save ({} with load_module_only)."""
+    bytes: int = 0
+    """The checkpoint's size on disk: the data and index files of every rank (what the
+    engine's `checkpoint_loaded` telemetry event reports, [Note: checkpoint events])."""
 
 
 def older_that_verifies(path: Path) -> str:
@@ -345,6 +349,8 @@ def load(
         after_load = getattr(owner, "after_load", None)
         if after_load is not None:
             after_load()
+        stored = sum(rf.data_size + rf.index_size for rf in reader.rank_files)
+        result = dataclasses.replace(result, bytes=stored)
     except Exception as exc:
         error = exc
         message = str(exc)
