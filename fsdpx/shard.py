@@ -21,6 +21,7 @@ from fsdpx.blocks import find_blocks
 from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
+from fsdpx.init_sync import broadcast_initial_state_
 from fsdpx.materialize import materialize_
 from fsdpx.offload import build_offload_optimizer, check_offload, offload_policy
 from fsdpx.optim import build_optimizer
@@ -94,6 +95,7 @@ def shard(
     on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     if not on_meta:
         model.to(info.device)
+    broadcast_initial_state_(model)  # before any split: [Note: rank 0's initial weights]
 
     blocks = find_blocks(model, cfg.zero.block_classes)
     pipeline = None
