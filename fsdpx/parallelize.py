@@ -58,6 +58,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.config import Config
+from fsdpx.init_sync import broadcast_initial_state_
 from fsdpx.materialize import materialize_
 from fsdpx.offload import offload_policy
 from fsdpx.parallel_dims import Axis, ParallelDims
@@ -136,6 +137,9 @@ def parallelize(
         )
     if not on_meta:
         model.to(device)
+    if materialize:
+        # Before any split, every rank takes rank 0's values ([Note: rank 0's initial weights]).
+        broadcast_initial_state_(model)
     names = {id(m): n for n, m in model.named_modules()}
     block_names = [names[id(b)] for b in blocks]
     tp_plan = _tp_plan(model, block_names, cfg=cfg, dims=dims)

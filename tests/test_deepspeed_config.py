@@ -509,6 +509,25 @@ def test_world_size_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         Config.from_deepspeed({"train_batch_size": 1}, world_size=0)
 
 
+@pytest.mark.parametrize(
+    ("section", "key"), [("tensor_parallel", "autotp_size"), ("pipeline", "stages")]
+)
+def test_parallel_size_not_dividing_the_world_is_a_user_error(section: str, key: str) -> None:
+    # Regression: the key was filed as "mapped" and then again as the error, tripping an
+    # internal assertion ("reported twice") instead of reaching the user.
+    data = {"train_micro_batch_size_per_gpu": 1, section: {key: 4}}
+    tp, pp = (4, 1) if section == "tensor_parallel" else (1, 4)
+    message = (
+        rf"{section}\.{key}: world size 6 is not divisible by pipeline stages \({pp}\) x "
+        rf"tensor-parallel size \({tp}\); launch a multiple of 4 ranks"
+    )
+    with pytest.raises(ValueError, match=message):
+        Config.from_deepspeed(data, world_size=6)
+    rows, cfg, error = explain(data, world_size=6)
+    assert cfg is None and error is not None
+    assert [r.status for r in rows if r.key == f"{section}.{key}"] == ["error"]
+
+
 def test_table_rules_are_well_formed() -> None:
     for key, rule in DS_KEYS.items():
         if "." in key:

@@ -333,11 +333,15 @@ class _Translator:
         tp = self._positive("tensor_parallel.autotp_size", "mesh.tp")
         mics = self.leaves.get("zero_optimization.mics_shard_size")
         if self.world_size % (pp * tp):
+            key = "pipeline.stages" if pp > 1 else "tensor_parallel.autotp_size"
+            # _positive already filed this key as "mapped"; the error replaces that row.
+            del self.rows[key]
             self._error(
-                "pipeline.stages" if pp > 1 else "tensor_parallel.autotp_size",
+                key,
                 pp if pp > 1 else tp,
                 f"world size {self.world_size} is not divisible by pipeline stages ({pp}) x "
-                f"tensor-parallel size ({tp})",
+                f"tensor-parallel size ({tp}); launch a multiple of {pp * tp} ranks or make "
+                "pipeline.stages x tensor_parallel.autotp_size divide the world size",
             )
             return
         dp = self.world_size // (pp * tp)
