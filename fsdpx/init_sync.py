@@ -1,7 +1,7 @@
 """Rank 0's initial weights on every rank, as `deepspeed.initialize` gives them.
 
-fsdpx.shard calls `broadcast_initial_state_` once, after the model is on its device and
-before anything splits it (pipeline stages, tensor-parallel shards, FSDP shards).
+The parallelize recipe (fsdpx/parallelize.py) calls `broadcast_initial_state_` once, after
+the model is on its device and before anything splits it (pipeline stages, tensor-parallel shards, FSDP shards).
 
 [Note: rank 0's initial weights] A script that sets no common seed builds a different
 model on every rank. DeepSpeed hides that: its engine broadcasts rank 0's parameters

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fsdpx
-from examples.gpt import GPT, shard_batch
+from fsdpx.demo.gpt import GPT, shard_batch
 from fsdpx.init_sync import broadcast_initial_state_
 from fsdpx.parallel_dims import ParallelDims
 from tests import tp_bodies as tb
