@@ -1,0 +1,1 @@
+"""`deepspeed.runtime`: the submodule paths DeepSpeed scripts import from."""
