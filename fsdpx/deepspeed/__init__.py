@@ -1,10 +1,11 @@
 """fsdpx.deepspeed: the home of DeepSpeed compatibility.
 
 A DeepSpeed script will import this package as ``import fsdpx.deepspeed as deepspeed``, so
-its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). None is
-provided so far: ``initialize``, ``add_config_arguments``, ``init_distributed``,
+its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). Provided
+so far: ``initialize``, ``add_config_arguments``, ``init_distributed``,
 ``DeepSpeedEngine``, ``get_accelerator`` and the submodules ``comm``, ``accelerator``,
-``utils``, ``runtime`` (``runtime.utils``, ``runtime.dataloader``). DeepSpeed names not
+``utils``, ``checkpointing``, ``ops`` (``ops.adam``), ``runtime`` (``runtime.utils``,
+``runtime.dataloader``, ``runtime.lr_schedules``). DeepSpeed names not
 listed here are absent, not stubbed (README, "Porting from DeepSpeed").
 
 The DeepSpeed *config* translation lives here under private names, imported directly by
@@ -40,10 +41,12 @@ _EXPORTS: dict[str, str] = {
     "DeepSpeedEngine": "fsdpx.deepspeed._engine",
     "accelerator": "fsdpx.deepspeed.accelerator",
     "add_config_arguments": "fsdpx.deepspeed._initialize",
+    "checkpointing": "fsdpx.deepspeed.checkpointing",
     "comm": "fsdpx.deepspeed.comm",
     "get_accelerator": "fsdpx.deepspeed.accelerator",
     "init_distributed": "fsdpx.deepspeed._initialize",
     "initialize": "fsdpx.deepspeed._initialize",
+    "ops": "fsdpx.deepspeed.ops",
     "runtime": "fsdpx.deepspeed.runtime",
     "utils": "fsdpx.deepspeed.utils",
 }
