@@ -133,3 +133,32 @@ def test_adam_options_not_implemented_say_so() -> None:
         FusedAdam([nn.Parameter(torch.zeros(1))], amsgrad=True)
     with pytest.raises(NotImplementedError, match="fp32_optimizer_states=False"):
         DeepSpeedCPUAdam([nn.Parameter(torch.zeros(1))], fp32_optimizer_states=False)
+
+
+def test_zero_init_builds_on_meta_and_initialize_materialises() -> None:
+    with deepspeed.zero.Init(config_dict_or_path={"train_batch_size": 1}):
+        model = nn.Linear(8, 4)
+    assert model.weight.is_meta
+    cfg = {
+        "train_batch_size": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3},
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    weight = engine.module.weight.full_tensor()
+    assert not weight.is_meta and weight.abs().sum() > 0  # reset_parameters() ran
+    with deepspeed.zero.Init(enabled=False):
+        assert not nn.Linear(2, 2).weight.is_meta
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"module": nn.Linear(1, 1)}, "pass that model to deepspeed.initialize"),
+        ({"remote_device": "cpu"}, "offload_param"),
+        ({"dtype": torch.bfloat16}, "leave dtype unset"),
+    ],
+)
+def test_zero_init_refusals(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        deepspeed.zero.Init(**kwargs)

@@ -5,7 +5,7 @@ its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). Pro
 so far: ``initialize``, ``add_config_arguments``, ``init_distributed``,
 ``DeepSpeedEngine``, ``get_accelerator`` and the submodules ``comm``, ``accelerator``,
 ``utils``, ``checkpointing``, ``ops`` (``ops.adam``), ``runtime`` (``runtime.utils``,
-``runtime.dataloader``, ``runtime.lr_schedules``). DeepSpeed names not
+``runtime.dataloader``, ``runtime.lr_schedules``), ``zero`` (``zero.Init``). DeepSpeed names not
 listed here are absent, not stubbed (README, "Porting from DeepSpeed").
 
 The DeepSpeed *config* translation lives here under private names, imported directly by
@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "ops": "fsdpx.deepspeed.ops",
     "runtime": "fsdpx.deepspeed.runtime",
     "utils": "fsdpx.deepspeed.utils",
+    "zero": "fsdpx.deepspeed.zero",
 }
 
 __all__ = sorted(_EXPORTS)
