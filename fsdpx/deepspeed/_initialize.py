@@ -83,6 +83,7 @@ def initialize(
         raise ValueError(
             "mesh_param= is not supported: set the data/sequence/tensor sizes in the config"
         )
+    _show_info_logs()
     ds_config = _read_config(args, config, config_params)
     cfg = Config.from_deepspeed(ds_config)
     groups = name_groups(model, model_parameters)
@@ -94,6 +95,20 @@ def initialize(
         engine, ds_config=ds_config, training_data=training_data, collate_fn=collate_fn
     )
     return ds_engine, engine.optimizer, ds_engine.training_dataloader, engine.lr_scheduler
+
+
+def _show_info_logs() -> None:
+    """DeepSpeed prints its INFO lines (config summary, progress) through a handler of its
+    own; do the same for the "fsdpx" logger, but only when the application configured no
+    logging itself (its configuration then decides)."""
+    fsdpx_log = logging.getLogger("fsdpx")
+    if fsdpx_log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
+    fsdpx_log.addHandler(handler)
+    fsdpx_log.setLevel(logging.INFO)
+    fsdpx_log.propagate = False
 
 
 def _read_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
@@ -240,19 +255,26 @@ def init_distributed(
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     rank = rank if rank >= 0 else int(env_rank) if env_rank is not None else -1
     world_size = world_size if world_size > 0 else int(env_world) if env_world else -1
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        # fsdpx also runs CPU collectives (the checkpoint vote, fp16 overflow flags on host
+        # tensors): nccl for CUDA tensors plus gloo for CPU ones, as fsdpx.init_distributed.
+        backend = "cuda:nccl,cpu:gloo"
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if rank < 0 and world_size <= 0:
+        # No launcher (plain `python script.py`): one rank. DeepSpeed would look for MPI
+        # here; fsdpx does not discover MPI ranks (launch with torchrun for more).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
     if rank < 0 or world_size <= 0:
         raise RuntimeError(
-            "init_distributed found no RANK/WORLD_SIZE in the environment: launch with "
-            "torchrun (fsdpx does not discover MPI ranks), or pass rank= and world_size="
+            f"init_distributed: rank {rank} and world size {world_size} must both be given "
+            "(torchrun sets RANK and WORLD_SIZE)"
         )
     if init_method is None:
         # torchrun sets MASTER_ADDR/MASTER_PORT; without them, DeepSpeed's default port.
         have_env = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
         init_method = "env://" if have_env else f"tcp://127.0.0.1:{distributed_port}"
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs: dict[str, Any] = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs
     )
