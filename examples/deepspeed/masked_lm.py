@@ -40,7 +40,9 @@ class TinyBert(nn.Module):
     def forward(self, tokens, labels):
         x = self.encoder(self.embed(tokens) + self.pos)
         logits = self.head(self.norm(x))
-        return nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=-100)
+        return nn.functional.cross_entropy(
+            logits.view(-1, VOCAB), labels.view(-1), ignore_index=-100
+        )
 
 
 class MaskedTokens(torch.utils.data.Dataset):
@@ -75,13 +77,21 @@ def main():
     model = TinyBert()
     no_decay = ["bias", "norm"]
     optimizer_grouped_parameters = [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-         "weight_decay": 0.01},
-        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
-         "weight_decay": 0.0},
+        {
+            "params": [
+                p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)
+            ],
+            "weight_decay": 0.01,
+        },
+        {
+            "params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+            "weight_decay": 0.0,
+        },
     ]
     engine, optimizer, loader, _ = deepspeed.initialize(
-        args=args, model=model, model_parameters=optimizer_grouped_parameters,
+        args=args,
+        model=model,
+        model_parameters=optimizer_grouped_parameters,
         training_data=MaskedTokens(),
     )
     _, client_state = engine.load_checkpoint(args.ckpt)
