@@ -9,6 +9,11 @@ Smallest run (used by tests/test_benchmarks_smoke.py)::
 
     torchrun --standalone --nproc_per_node=2 benchmarks/step_overhead.py --steps 2 --warmup 1 --tiny
 
+``cfg.compile`` (torch.compile of each block before sharding) against the same engine
+without it, added per stage with ``--compile``::
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/step_overhead.py --stages 3 --steps 20 --warmup 3 --compile
+
 What is compared, per stage
 ---------------------------
 The GPT of ``examples/gpt.py`` is built twice from the same seed:
@@ -35,6 +40,14 @@ other load on the machine, which the header and footer report). The two sides co
 same numbers, so the largest difference of their losses is printed as a check that they
 did the same work (0 expected). ``--profile DIR`` adds a cProfile per side and lists the
 functions where fsdpx spends more time than raw.
+
+With ``--compile`` each stage also times two fsdpx engines built from the same seed, one
+with ``cfg.compile`` (**compiled**) and one without (**eager**), interleaved the same way on
+the same micro-batches; the table gives their medians and the ratio compiled/eager (below
+1: compile pays off). Compilation (inductor, C++ on CPU) happens in the warm-up steps,
+whose total seconds per side are printed too, so ``--warmup`` must be at least 1; the
+steps after it are timed. Compiled kernels round differently, so the losses differ by fp32
+rounding (printed; tests/test_compile.py checks parity).
 
 Model-state bytes (per rank)
 ----------------------------
@@ -137,6 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a very small model and batch (smoke test)")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time fsdpx with cfg.compile on against fsdpx without it, per stage",
+    )
+    p.add_argument(
         "--profile",
         metavar="DIR",
         help="cProfile each side's timed steps (one profiler per side, per rank), write "
@@ -151,6 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.compile and args.warmup < 1:
+        p.error("--compile needs --warmup >= 1 (the first steps compile; they are not timed)")
     if args.n_layer < 2:
         # fsdpx.blocks.find_blocks takes a ModuleList as blocks only from two children on;
         # with one block fsdpx would shard the GPT as one unit and the sides would differ.
@@ -217,7 +237,11 @@ def build_raw(
     return Side("raw", model, opt, step)
 
 
-def build_fsdpx(args: argparse.Namespace, stage: int, gas: int) -> Side:
+def build_fsdpx(
+    args: argparse.Namespace, stage: int, gas: int, *, compile_blocks: bool = False
+) -> Side:
+    """fsdpx.shard's engine; with compile_blocks, cfg.compile on and the side is named
+    "compiled"."""
     cfg = fsdpx.Config(
         train_micro_batch_size_per_gpu=args.batch_size,
         gradient_accumulation_steps=gas,
@@ -225,6 +249,7 @@ def build_fsdpx(args: argparse.Namespace, stage: int, gas: int) -> Side:
         optimizer=OPT,
         device="cpu",
         seed=args.seed,
+        compile=compile_blocks,
     )
     engine = fsdpx.shard(build_gpt(args), cfg)
 
@@ -235,7 +260,8 @@ def build_fsdpx(args: argparse.Namespace, stage: int, gas: int) -> Side:
             engine.step()
         return loss.detach()
 
-    return Side("fsdpx", cast(nn.Module, engine.module), engine.optimizer, step)
+    name = "compiled" if compile_blocks else "fsdpx"
+    return Side(name, cast(nn.Module, engine.module), engine.optimizer, step)
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -243,11 +269,13 @@ def build_fsdpx(args: argparse.Namespace, stage: int, gas: int) -> Side:
 
 @dataclass
 class Timings:
-    """Per-step seconds, indexed [side][step]; losses for the same-work check."""
+    """Per-step seconds, indexed [side name][step]; losses for the same-work check;
+    total wall seconds of the warm-up steps per side (slowest rank)."""
 
-    wall: dict[str, list[float]] = field(default_factory=lambda: {"raw": [], "fsdpx": []})
-    cpu: dict[str, list[float]] = field(default_factory=lambda: {"raw": [], "fsdpx": []})
-    loss: dict[str, list[float]] = field(default_factory=lambda: {"raw": [], "fsdpx": []})
+    wall: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
+    loss: dict[str, list[float]] = field(default_factory=dict)
+    warmup: dict[str, float] = field(default_factory=dict)
 
 
 def timed(
@@ -266,16 +294,22 @@ def timed(
 
 
 def run_interleaved(
-    raw: Side,
-    fx: Side,
+    a: Side,
+    b: Side,
     data: Iterator[Batch],
     args: argparse.Namespace,
     profs: dict[str, cProfile.Profile] | None = None,
 ) -> Timings:
-    out = Timings()
+    """Time sides `a` (raw, or eager fsdpx) and `b` on the same micro-batches, alternating
+    which goes first; results are keyed by the sides' names."""
+    names = (a.name, b.name)
+    out = Timings(
+        wall={n: [] for n in names}, cpu={n: [] for n in names}, loss={n: [] for n in names}
+    )
+    warm = dict.fromkeys(names, 0.0)
     for i in range(args.warmup + args.steps):
         micro = [next(data) for _ in range(args.gas)]
-        order = (raw, fx) if i % 2 == 0 else (fx, raw)
+        order = (a, b) if i % 2 == 0 else (b, a)
         for side in order:
             prof = profs[side.name] if profs is not None and i >= args.warmup else None
             wall, cpu, loss = timed(side, micro, prof)
@@ -283,13 +317,18 @@ def run_interleaved(
                 out.wall[side.name].append(wall)
                 out.cpu[side.name].append(cpu)
                 out.loss[side.name].append(loss)
+            else:
+                warm[side.name] += wall
     # A step lasts as long as its slowest rank; its CPU cost is the sum over ranks.
-    walls = torch.tensor([out.wall["raw"], out.wall["fsdpx"]], dtype=torch.float64)
-    cpus = torch.tensor([out.cpu["raw"], out.cpu["fsdpx"]], dtype=torch.float64)
+    walls = torch.tensor([out.wall[n] for n in names], dtype=torch.float64)
+    cpus = torch.tensor([out.cpu[n] for n in names], dtype=torch.float64)
+    warms = torch.tensor([warm[n] for n in names], dtype=torch.float64)
     dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+    dist.all_reduce(warms, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpus, op=dist.ReduceOp.SUM)
-    out.wall = {"raw": walls[0].tolist(), "fsdpx": walls[1].tolist()}
-    out.cpu = {"raw": cpus[0].tolist(), "fsdpx": cpus[1].tolist()}
+    out.wall = {n: walls[k].tolist() for k, n in enumerate(names)}
+    out.cpu = {n: cpus[k].tolist() for k, n in enumerate(names)}
+    out.warmup = {n: float(warms[k]) for k, n in enumerate(names)}
     return out
 
 
@@ -299,6 +338,44 @@ def quantile(xs: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def compare_compile(args: argparse.Namespace, stage: int, data: Iterator[Batch]) -> Timings:
+    """fsdpx with cfg.compile against fsdpx without it, interleaved (the eager side is
+    named "fsdpx")."""
+    eager = build_fsdpx(args, stage, args.gas)
+    compiled = build_fsdpx(args, stage, args.gas, compile_blocks=True)
+    t = run_interleaved(eager, compiled, data, args)
+    del eager, compiled
+    gc.collect()
+    return t
+
+
+def report_compile(rows: list[tuple[int, Timings]], say: Callable[..., None]) -> None:
+    """The --compile table: eager vs compiled step time per stage, and the ratio line."""
+    say("cfg.compile step time in ms (fsdpx eager vs compiled; same measurement as above)")
+    say(
+        f"{'stage':>5} | {'eager p10':>9} {'eager p50':>9} {'eager p90':>9} | "
+        f"{'comp p10':>8} {'comp p50':>8} {'comp p90':>8} | {'ratio':>6} | "
+        f"{'paired p10/p50/p90':>18} | {'cpu ratio':>9} | {'warm-up s e/c':>13} | "
+        f"{'max|dloss|':>10}"
+    )
+    ratios = []
+    for stage, t in rows:
+        e, c = t.wall["fsdpx"], t.wall["compiled"]
+        ratio = statistics.median(c) / statistics.median(e)
+        ratios.append(f"stage{stage}={ratio:.3f}")
+        pairs = [b / a for a, b in zip(e, c, strict=True)]
+        cpu = statistics.median(t.cpu["compiled"]) / statistics.median(t.cpu["fsdpx"])
+        dloss = max(abs(a - b) for a, b in zip(t.loss["fsdpx"], t.loss["compiled"], strict=True))
+        say(
+            f"{stage:>5} | {quantile(e, 0.1) * 1e3:9.1f} {quantile(e, 0.5) * 1e3:9.1f} "
+            f"{quantile(e, 0.9) * 1e3:9.1f} | {quantile(c, 0.1) * 1e3:8.1f} "
+            f"{quantile(c, 0.5) * 1e3:8.1f} {quantile(c, 0.9) * 1e3:8.1f} | {ratio:6.3f} | "
+            f"{quantile(pairs, 0.1):5.3f} {quantile(pairs, 0.5):5.3f} {quantile(pairs, 0.9):5.3f} | "
+            f"{cpu:9.3f} | {t.warmup['fsdpx']:6.1f}/{t.warmup['compiled']:<6.1f} | {dloss:10.3g}"
+        )
+    say("ratio compiled/eager (median step time; below 1: compile pays off): " + " ".join(ratios))
 
 
 # --- model-state bytes ------------------------------------------------------------------------
@@ -488,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"
     )
 
-    time_rows, mem_rows = [], []
+    time_rows, mem_rows, compile_rows = [], [], []
     profile_lines: list[str] = []
     for stage in args.stages:
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
@@ -507,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         del raw, fx
         gc.collect()
+        if args.compile:
+            compile_rows.append((stage, compare_compile(args, stage, data)))
 
         # Memory pass: fresh pair with --mem-gas micro-steps, one warm-up step first.
         raw = build_raw(args, stage, args.mem_gas, meshes)
@@ -553,6 +632,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{quantile(pairs, 0.1):5.3f} {quantile(pairs, 0.5):5.3f} {quantile(pairs, 0.9):5.3f} | "
             f"{cpu_ratio:9.3f} | {loss_diff:10.3g}"
         )
+    if compile_rows:
+        say("")
+        report_compile(compile_rows, say)
     say("")
     say(
         f"per-rank model-state MiB (peak over one optimizer step of {args.mem_gas} "

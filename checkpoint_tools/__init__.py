@@ -10,6 +10,6 @@ Example::
 """
 
 from checkpoint_tools.consolidate import consolidate, load_state_dict
-from checkpoint_tools.resolve import resolve_checkpoint
+from checkpoint_tools.format.root import resolve_checkpoint
 
 __all__ = ["consolidate", "load_state_dict", "resolve_checkpoint"]

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 from checkpoint_tools.consolidate import CASTS, consolidate, select
 from checkpoint_tools.format import CheckpointError, CheckpointReader
+from checkpoint_tools.format.root import resolve_checkpoint
 from checkpoint_tools.progress import Progress
 from checkpoint_tools.report import format_text, human, summary
-from checkpoint_tools.resolve import resolve_checkpoint
 
 _UNITS = {
     "": 1,

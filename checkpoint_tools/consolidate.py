@@ -18,7 +18,7 @@ import torch
 
 from checkpoint_tools import safetensors_out as st
 from checkpoint_tools.format import MODEL_PREFIX, OPTIM_PREFIX, CheckpointReader, TensorMeta
-from checkpoint_tools.resolve import resolve_checkpoint
+from checkpoint_tools.format.root import fsync_file, resolve_checkpoint
 
 CASTS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -174,8 +174,7 @@ def _atomic_torch_save(state: dict[str, torch.Tensor], dst: Path) -> None:
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_file(f)
         os.replace(tmp, dst)
     except BaseException:
         with contextlib.suppress(OSError):

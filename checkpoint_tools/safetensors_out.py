@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_tools.format.root import fsync_file
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -126,8 +128,7 @@ def write_file(
                     raise AssertionError(f"{entry.key}: wrote {written} of {entry.nbytes} bytes")
             while pending:
                 pending.popleft().result()
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_file(f)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -146,8 +147,7 @@ def write_index(out: Path, files: list[tuple[str, list[Entry]]]) -> Path:
     with open(tmp, "w") as f:
         json.dump(index, f, indent=2)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+        fsync_file(f)
     os.replace(tmp, path)
     return path
 

@@ -10,8 +10,9 @@ Example::
     engine.step()
 
 The names below are imported on first use (PEP 562): `import fsdpx.telemetry.protocol`
-(the monitor) or `fsdpx.checkpoint.format` (checkpoint_tools) must not load torch's
-distributed runtime just because this package file runs first.
+(the monitor) must not load torch's distributed runtime just because this package file
+runs first. The checkpoint errors are defined by `checkpoint_tools.format` (the format's
+one name) and offered here so that `fsdpx.CheckpointError` works.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 # public name -> module that defines it
 _EXPORTS = {
     "Axis": "fsdpx.parallel_dims",
-    "CheckpointCorruptError": "fsdpx.checkpoint.format",
-    "CheckpointError": "fsdpx.checkpoint.format",
-    "CheckpointNotFoundError": "fsdpx.checkpoint.format",
+    "CheckpointCorruptError": "checkpoint_tools.format",
+    "CheckpointError": "checkpoint_tools.format",
+    "CheckpointNotFoundError": "checkpoint_tools.format",
     "Config": "fsdpx.config",
+    "DeepSpeedCheckpointError": "checkpoint_tools.format",
     "DistInfo": "fsdpx.distributed",
     "Engine": "fsdpx.engine",
     "FsdpxError": "fsdpx.errors",
@@ -47,6 +49,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "Config",
+    "DeepSpeedCheckpointError",
     "DistInfo",
     "Engine",
     "FsdpxError",
@@ -64,10 +67,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from fsdpx.checkpoint.format import (
+    from checkpoint_tools.format import (
         CheckpointCorruptError,
         CheckpointError,
         CheckpointNotFoundError,
+        DeepSpeedCheckpointError,
     )
     from fsdpx.clip import clip_grad_norm_, total_grad_norm
     from fsdpx.config import Config

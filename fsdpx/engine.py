@@ -352,8 +352,9 @@ class Engine:
     ) -> tuple[Path, dict[str, Any]]:
         """Restore what save_checkpoint saved (tag None: the one `latest` names), at any
         world size, ZeRO stage or mesh. Returns (checkpoint path, client_state). Raises
-        fsdpx.checkpoint.CheckpointNotFoundError when there is nothing to load (DeepSpeed
-        returns None), CheckpointCorruptError naming the damaged file, tensor and offset.
+        fsdpx.CheckpointNotFoundError when there is nothing to load (DeepSpeed returns
+        None), CheckpointCorruptError naming the damaged file, tensor and offset, and
+        DeepSpeedCheckpointError for a DeepSpeed checkpoint folder.
         """
         result = self._checkpointer.load(
             load_dir,

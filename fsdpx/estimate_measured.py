@@ -9,17 +9,20 @@ state, activations, temporaries, collective buffers) would hold on rank 0.
 
 [Note: why not fsdpx.shard] fsdpx.shard builds its DeviceMesh itself, and DeviceMesh reads
 its rank layout with `tolist()`, which fails on a fake tensor. So the mesh is built here
-before fake mode starts, and the data-parallel part of shard()'s recipe runs through the
-same function shard() calls (fsdpx.shard.shard_data_parallel); tests/test_estimate.py checks that the model states measured here
-equal those of a real fsdpx.shard run.
+before fake mode starts, and the model is sharded by the recipe shard() calls
+(fsdpx.parallelize.parallelize) with `materialize=False`: the meta tensors become fake ones
+inside fake mode instead. The blocks run eagerly (cfg.compile is not applied).
+tests/test_estimate.py checks that the model states measured here equal those of a real
+fsdpx.shard run.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,7 +104,7 @@ def measure_memory(
 
     from fsdpx.blocks import find_blocks
     from fsdpx.parallel_dims import ParallelDims
-    from fsdpx.shard import shard_data_parallel
+    from fsdpx.parallelize import parallelize
     from fsdpx.zero import dims_for_stage
 
     cfg = cfg or Config()
@@ -125,8 +128,15 @@ def measure_memory(
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = dims.build_mesh("cpu")  # outside fake mode: see [Note: why not fsdpx.shard]
-        blocks = find_blocks(work, cfg.zero.block_classes)
-        root = shard_data_parallel(work, blocks, cfg, mesh, compile_blocks=False)
+        root = parallelize(
+            work,
+            find_blocks(work, cfg.zero.block_classes),
+            cfg=dataclasses.replace(cfg, compile=False),
+            dims=dims,
+            mesh=mesh,
+            device=torch.device("cpu"),
+            materialize=False,
+        ).module
         # allow_non_fake_inputs: the meta parameters become fake CPU tensors in to_empty.
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             work.to_empty(device="cpu")
@@ -138,7 +148,7 @@ def measure_memory(
                 else t
                 for t in sample_inputs
             )
-            tracker = FSDPMemTracker(cast(nn.Module, root), opt)
+            tracker = FSDPMemTracker(root, opt)
             tracker.track_inputs(inputs)
             with tracker:
                 for step in range(2):

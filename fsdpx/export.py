@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from checkpoint_tools.format.root import fsync_dir, fsync_file
+
 # One safetensors writer: the offline checkpoint tools own it (they must not import the
 # runtime); the runtime export reuses its naming, sharding plan, header and index.
 from checkpoint_tools.safetensors_out import (
@@ -136,7 +138,7 @@ def save_full_model(
     if rank == 0 and error is None and len(files) > 1:
         try:
             write_index(out, files)
-            _fsync_dir(out)
+            fsync_dir(out)
         except Exception as exc:
             error = exc
     if rank == 0 and error is None:
@@ -198,12 +200,11 @@ def _write_tensor(f: BinaryIO, tensor: torch.Tensor) -> None:
 
 def _commit(f: BinaryIO, path: Path) -> None:
     try:
-        f.flush()
-        os.fsync(f.fileno())
+        fsync_file(f)
     finally:
         f.close()
     os.replace(_tmp(path), path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _abandon(f: BinaryIO) -> None:
@@ -214,14 +215,6 @@ def _abandon(f: BinaryIO) -> None:
 
 def _tmp(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _agree_on_success(

@@ -1,26 +1,13 @@
-"""Pipeline parallelism (mesh.pp > 1) and the 3D recipe that composes it with tensor
-parallelism and FSDP on one mesh.
+"""Pipeline parallelism (mesh.pp > 1): the split of the model into this rank's stages,
+the check that the schedule can run the layout, and the runner that drives one torch
+schedule over the local stages.
 
-Recipe per rank (torchtitan's order): split the model into stages (fsdpx/pipeline_split.py),
-then for each local stage: tensor parallel, activation checkpointing, compile, FSDP over
-the data axes; then one torch schedule runs all local stages.
+    split_stages -> (fsdpx/parallelize.py: TP -> AC -> compile -> FSDP per stage,
+                     materialise) -> build_runner -> PipelineRunner.step per optimizer step
 
-[Note: no resharding under PP] Under pipeline parallelism every FSDP block keeps its
-parameters gathered after forward (`reshard_after_forward=False`) whatever the ZeRO
-stage says. Zero-bubble schedules split backward into an input-gradient and a later
-weight-gradient pass; with per-block resharding the weight pass runs against resharded
-parameters and the gradients come out wrong or missing, silently
-(tests/test_pipeline_parallel.py shows the mismatch). Gradients are reduced once per
-step, after the last micro-batch (the stage does that), so every ZeRO stage behaves like
-stage 1/2 within a step.
-
-[Note: no shared comm context] torchtitan shares one FSDP communication context between
-the stage roots of a rank (`torch.distributed.fsdp.share_comm_ctx`) so that they use the
-same CUDA streams. In torch 2.13 that context also holds the forward order used for
-backward prefetching, and each stage's end-of-backward callback clears it while the
-rank's other stage is still in backward: Interleaved1F1B and the V schedules then fail
-with an IndexError inside FSDP's backward prefetch (tried on CPU/gloo). Each stage root
-keeps its own context; on GPU this costs separate streams per local stage.
+The recipe in fsdpx/parallelize.py calls both ends; what pipelining asks of the FSDP step
+is stated there ([Note: no resharding under PP], [Note: no shared comm context]). How the
+model is cut into stage modules: [Note: stage modules] in fsdpx/pipeline_split.py.
 """
 
 from __future__ import annotations
@@ -33,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -41,20 +27,15 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.config import Config
-from fsdpx.materialize import materialize_
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_split import (
-    merged_view,
     model_units,
     plan_stages,
     prune_to_stage,
     stage_copies,
     stage_ids,
 )
-from fsdpx.tensor_parallel import apply_tensor_parallel, build_plan, check_plan
-from fsdpx.zero import apply_zero
 
 SINGLE_STAGE = frozenset({"GPipe", "1F1B"})
 V_SHAPED = frozenset({"ZBVZeroBubble", "DualPipeV"})
@@ -157,144 +138,85 @@ class PipelineRunner:
         return total
 
 
-@dataclass
-class Parallelized:
-    """What the 3D recipe made on this rank."""
+@dataclass(frozen=True)
+class StageSplit:
+    """This rank's pipeline stages: `parts[i]` is stage `ids[i]` of `num_stages`."""
 
-    module: nn.Module
-    """The model (pp = 1) or a PipelineView of the local stages (pp > 1)."""
     parts: list[nn.Module]
-    """The FSDP roots: the model, or one per local pipeline stage."""
-    pipeline: PipelineRunner | None
-    """The schedule runner (pp > 1)."""
+    """The stage modules (see [Note: stage modules] in fsdpx/pipeline_split.py); the last
+    one is the model itself, pruned."""
+    ids: list[int]
+    """Their stage indices, in the order torch's schedules expect."""
+    num_stages: int
+    """Stages over all pp ranks (mesh.pp x pipeline.stages_per_rank)."""
 
 
-def parallelize(
+def split_stages(
     model: nn.Module,
-    blocks: Sequence[nn.Module],
+    block_names: Sequence[str],
     *,
     cfg: Config,
     dims: ParallelDims,
     mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    device: torch.device,
     loss_fn: Callable[..., torch.Tensor] | None,
-    on_meta: bool,
-    init_fn: Callable[[nn.Module], None] | None = None,
-    pp_block_reshard_after_forward: bool | int = False,
-) -> Parallelized:
-    """Split (pp), tensor-parallelise (tp), checkpoint, compile and shard (FSDP) `model`.
+) -> StageSplit:
+    """Check the schedule's layout, then cut `model` into this rank's stages.
 
     Args:
-        model: the model, on its device or on meta; consumed (stages are built from it).
-        blocks: its blocks (fsdpx.blocks.find_blocks).
+        model: the whole model (on its device or on meta), still unsharded; consumed:
+            the last stage is `model` itself, pruned.
+        block_names: its blocks' module names, in order.
         cfg, dims, mesh: the config and the world mesh (ParallelDims.build_mesh).
-        mp_policy: FSDP mixed precision.
-        loss_fn: `loss_fn(outputs, targets)`; required under pp (the last stage calls it).
-        on_meta: materialise each stage after sharding (needs init_fn).
-        pp_block_reshard_after_forward: internal, for the regression test of
-            [Note: no resharding under PP]; never change it in training.
+        loss_fn: `loss_fn(outputs, targets)`; required (the last stage calls it).
     Returns:
-        Parallelized.
+        StageSplit.
+    Raises:
+        ValueError: no loss_fn, or a layout the schedule cannot run (check_schedule).
 
     Example::
 
-        built = parallelize(gpt, find_blocks(gpt), cfg=cfg, dims=dims, mesh=mesh,
-                            mp_policy=MixedPrecisionPolicy(), device=torch.device("cpu"),
-                            loss_fn=loss_fn, on_meta=False)
+        split = split_stages(gpt, ["blocks.0", "blocks.1"], cfg=cfg, dims=dims, mesh=mesh,
+                             loss_fn=loss_fn)
     """
-    if on_meta and init_fn is None:
-        # reset_parameters() would run per stage and per tp shard with one seed: stages
-        # would repeat each other's values and tp ranks disagree on replicated ones.
+    pcfg = cfg.pipeline
+    if loss_fn is None:
         raise ValueError(
-            f"a model built on the meta device with mesh.tp = {dims.tp} and mesh.pp = "
-            f"{dims.pp} needs init_fn: pass fsdpx.shard(..., init_fn=fsdpx.per_param_init(fn)), "
-            "which initialises each parameter from its full-model name, so every layout "
-            "gets the values of the unsplit model"
+            "pipeline parallelism needs loss_fn: the last stage computes "
+            "loss_fn(outputs, targets); pass fsdpx.shard(..., loss_fn=...)"
         )
-    names = {id(m): n for n, m in model.named_modules()}
-    block_names = [names[id(b)] for b in blocks]
-    plan = None
-    if dims.tp > 1:
-        plan = build_plan(model, cfg.tensor_parallel, block_names)
-        check_plan(model, plan, dims.tp)
-        if cfg.tensor_parallel.loss_parallel and dims.pp > 1:
-            raise NotImplementedError(
-                "tensor_parallel.loss_parallel with pipeline parallelism (mesh.pp > 1) is not "
-                "implemented yet; set loss_parallel to false (the last stage then gathers the "
-                "logits and computes the loss on whole rows)"
-            )
-    runner_inputs = None
-    if dims.pp > 1:
-        pcfg = cfg.pipeline
-        if loss_fn is None:
-            raise ValueError(
-                "pipeline parallelism needs loss_fn: the last stage computes "
-                "loss_fn(outputs, targets); pass fsdpx.shard(..., loss_fn=...)"
-            )
-        check_schedule(
-            pcfg.schedule, dims.pp, pcfg.stages_per_rank, cfg.gradient_accumulation_steps
-        )
-        num_stages = dims.pp * pcfg.stages_per_rank
-        stage_units = plan_stages(model, block_names, num_stages, pcfg)
-        units = model_units(model, block_names)
-        pp_rank = mesh[Axis.PP.value].get_local_rank()
-        ids = stage_ids(pp_rank, dims.pp, pcfg.stages_per_rank, pcfg.schedule in V_SHAPED)
-        parts = stage_copies(model, len(ids))
-        for part, sid in zip(parts, ids, strict=True):
-            prune_to_stage(part, units, stage_units[sid])
-        runner_inputs = (ids, num_stages)
-    else:
-        parts = [model]
-    raf: bool | int | None = pp_block_reshard_after_forward if dims.pp > 1 else None
-    for part in parts:
-        present = {n for n, _ in part.named_modules()}
-        part_blocks = [part.get_submodule(n) for n in block_names if n in present]
-        if plan is not None:
-            apply_tensor_parallel(
-                part,
-                plan,
-                mesh[Axis.TP.value],
-                sequence_parallel=cfg.tensor_parallel.sequence_parallel,
-                first_block=block_names[0],
-                last_block=block_names[-1],
-            )
-        apply_activation_checkpointing(part_blocks, cfg.activation_checkpointing)
-        if cfg.compile:
-            for block in part_blocks:
-                block.compile()
-        apply_zero(
-            part,
-            part_blocks,
-            mesh=ParallelDims.fsdp_mesh(mesh),
-            zero=cfg.zero,
-            mp_policy=mp_policy,
-            block_reshard_after_forward=raf,
-        )
-        if on_meta:
-            materialize_(part, device, seed=cfg.seed, init_fn=init_fn)
-    if runner_inputs is None:
-        return Parallelized(module=model, parts=parts, pipeline=None)
-    assert loss_fn is not None
-    ids, num_stages = runner_inputs
-    runner = _build_runner(parts, ids, num_stages, cfg, dims, mesh, device, loss_fn)
-    return Parallelized(module=merged_view(parts), parts=parts, pipeline=runner)
+    check_schedule(pcfg.schedule, dims.pp, pcfg.stages_per_rank, cfg.gradient_accumulation_steps)
+    num_stages = dims.pp * pcfg.stages_per_rank
+    stage_units = plan_stages(model, block_names, num_stages, pcfg)
+    units = model_units(model, block_names)
+    pp_rank = mesh[Axis.PP.value].get_local_rank()
+    ids = stage_ids(pp_rank, dims.pp, pcfg.stages_per_rank, pcfg.schedule in V_SHAPED)
+    parts = stage_copies(model, len(ids))
+    for part, sid in zip(parts, ids, strict=True):
+        prune_to_stage(part, units, stage_units[sid])
+    return StageSplit(parts=parts, ids=ids, num_stages=num_stages)
 
 
-def _build_runner(
-    parts: Sequence[nn.Module],
-    ids: Sequence[int],
-    num_stages: int,
+def build_runner(
+    split: StageSplit,
+    *,
     cfg: Config,
     dims: ParallelDims,
     mesh: DeviceMesh,
     device: torch.device,
     loss_fn: Callable[..., torch.Tensor],
 ) -> PipelineRunner:
+    """The schedule over this rank's stages, once they are parallelised and materialised.
+
+    Example::
+
+        runner = build_runner(split, cfg=cfg, dims=dims, mesh=mesh, device=device,
+                              loss_fn=loss_fn)
+    """
+    num_stages = split.num_stages
     pp_group = mesh[Axis.PP.value].get_group()
     stages = [
         PipelineStage(part, sid, num_stages, device, group=pp_group)
-        for part, sid in zip(parts, ids, strict=True)
+        for part, sid in zip(split.parts, split.ids, strict=True)
     ]
     name = cfg.pipeline.schedule
     v_style = name in V_SHAPED

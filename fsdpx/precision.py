@@ -44,6 +44,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def mp_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
     """The FSDP2 policy: gathered parameters and forward inputs in ``param_dtype``,
     gradient reduction in ``reduce_dtype``; all-fp32 gives the no-cast default policy.
+    The parallelize recipe (fsdpx/parallelize.py) builds it once for every part it shards.
 
     Example::
 

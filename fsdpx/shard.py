@@ -1,35 +1,32 @@
-"""`fsdpx.shard`: the recipe that turns a model and a Config into an Engine.
+"""`fsdpx.shard`: the entry that turns a model and a Config into an Engine.
 
-The order follows torchtitan's parallelize recipe: find blocks, activation checkpointing,
-compile, then ZeRO sharding (FSDP2) per block and root; a model built on the meta device
-is materialised only after sharding, so each rank allocates only its shard.
+It checks the arguments, starts the process group, builds the mesh, hands the model to
+the parallelize recipe (fsdpx/parallelize.py: TP -> AC -> compile -> FSDP per part, then
+materialisation), then builds the optimizer, scheduler, loss scaler and telemetry around
+the sharded model and returns the Engine.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.blocks import find_blocks
 from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
-from fsdpx.materialize import materialize_
-from fsdpx.offload import build_offload_optimizer, check_offload, offload_policy
+from fsdpx.offload import build_offload_optimizer, check_offload
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
-from fsdpx.pipeline_parallel import parallelize
-from fsdpx.precision import build_loss_scaler, mp_policy
+from fsdpx.parallelize import parallelize
+from fsdpx.precision import build_loss_scaler
 from fsdpx.schedulers import build_scheduler
 from fsdpx.telemetry.start import start_telemetry
-from fsdpx.zero import apply_zero, dims_for_stage
+from fsdpx.zero import dims_for_stage
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -91,36 +88,17 @@ def shard(
     mesh = dims.build_mesh(info.device.type)
     # Sub-mesh groups default to a 30-minute timeout; a dead peer must fail within ours.
     set_process_group_timeouts(cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh))
-    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-    if not on_meta:
-        model.to(info.device)
-
-    blocks = find_blocks(model, cfg.zero.block_classes)
-    pipeline = None
-    if dims.tp > 1 or dims.pp > 1:
-        # Tensor / pipeline parallelism: fsdpx/pipeline_parallel.py runs the 3D recipe.
-        built = parallelize(
-            model,
-            blocks,
-            cfg=cfg,
-            dims=dims,
-            mesh=mesh,
-            mp_policy=mp_policy(cfg.precision),
-            device=info.device,
-            loss_fn=loss_fn,
-            on_meta=on_meta,
-            init_fn=init_fn,
-        )
-        sharded, pipeline = cast(FSDPModule, built.module), built.pipeline
-    else:
-        sharded = shard_data_parallel(model, blocks, cfg, mesh, compile_blocks=cfg.compile)
-        if on_meta and offload_policy(cfg) is not None:
-            # FSDP2 keeps offloaded shards on the host and refuses device ones: materialise
-            # on the host, then move only the buffers to the device.
-            materialize_(model, torch.device("cpu"), seed=cfg.seed, init_fn=init_fn)
-            move_buffers_(model, info.device)
-        elif on_meta:
-            materialize_(model, info.device, seed=cfg.seed, init_fn=init_fn)
+    built = parallelize(
+        model,
+        find_blocks(model, cfg.zero.block_classes),
+        cfg=cfg,
+        dims=dims,
+        mesh=mesh,
+        device=info.device,
+        loss_fn=loss_fn,
+        init_fn=init_fn,
+    )
+    sharded = cast(FSDPModule, built.module)
 
     params = [p for p in cast(nn.Module, sharded).parameters() if p.requires_grad]
     opt = build_offload_optimizer(params, model, cfg, info.rank)
@@ -138,7 +116,7 @@ def shard(
             loss_scaler=build_loss_scaler(cfg),
             device=info.device,
             loss_fn=loss_fn,
-            pipeline=pipeline,
+            pipeline=built.pipeline,
             telemetry=start_telemetry(cfg, info, model, opt),
         )
     except BaseException:
@@ -148,50 +126,3 @@ def shard(
         if close is not None:
             close()
         raise
-
-
-def move_buffers_(model: nn.Module, device: torch.device) -> None:
-    """Move every buffer (not the parameters) of `model` to `device`, in place."""
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[name] = buf.to(device)
-
-
-def shard_data_parallel(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    cfg: Config,
-    mesh: DeviceMesh,
-    *,
-    compile_blocks: bool,
-) -> FSDPModule:
-    """The data-parallel part of the recipe: activation checkpointing, optional compile,
-    then ZeRO sharding per block and root. fsdpx.shard and the memory estimator's measured
-    mode (which must build its mesh before entering fake-tensor mode) both run it.
-
-    Args:
-        model: the model (any device, meta included); sharded in place.
-        blocks: its blocks, from find_blocks.
-        cfg: the run's config (activation_checkpointing, zero, precision).
-        mesh: the world mesh from ParallelDims.build_mesh.
-        compile_blocks: torch.compile each block before sharding.
-    Returns:
-        `model`, now an FSDPModule.
-
-    Example::
-
-        root = shard_data_parallel(model, find_blocks(model), cfg, mesh, compile_blocks=False)
-    """
-    apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
-    if compile_blocks:
-        for block in blocks:
-            block.compile()
-    return apply_zero(
-        model,
-        blocks,
-        mesh=ParallelDims.fsdp_mesh(mesh),
-        zero=cfg.zero,
-        mp_policy=mp_policy(cfg.precision),
-        offload_policy=offload_policy(cfg),
-    )

@@ -73,7 +73,8 @@ def apply_zero(
         blocks: units sharded one by one (see fsdpx.blocks.find_blocks).
         mesh: the 2D (dp_replicate, dp_shard) mesh (ParallelDims.fsdp_mesh).
         block_reshard_after_forward: overrides the stage's block setting (pipeline
-            parallelism forces False: see fsdpx/pipeline_parallel.py).
+            parallelism forces False: [Note: no resharding under PP] in
+            fsdpx/parallelize.py).
     Returns:
         The model, now an FSDPModule.
     """

@@ -304,8 +304,8 @@ def crash_trials(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 p.join()
         trial["exitcodes"] = [p.exitcode for p in procs]
     # Only now run torch ops here (reading, comparing): no more forks follow.
-    from fsdpx.checkpoint.commit import committed, read_latest
-    from fsdpx.checkpoint.format import CheckpointReader
+    from checkpoint_tools.format import CheckpointReader
+    from checkpoint_tools.format.root import committed, read_latest
 
     for trial in trials:
         root = Path(trial["root"])

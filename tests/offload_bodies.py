@@ -91,9 +91,16 @@ def config(
     }
 
 
-def build(cfg_dict: dict[str, Any], *, same: bool = False, seed: int = 0) -> fsdpx.Engine:
+def as_config(cfg: dict[str, Any] | fsdpx.Config) -> fsdpx.Config:
+    """A config dict (Config.from_dict) or a Config built otherwise (e.g. from_deepspeed)."""
+    return cfg if isinstance(cfg, fsdpx.Config) else fsdpx.Config.from_dict(cfg)
+
+
+def build(
+    cfg_dict: dict[str, Any] | fsdpx.Config, *, same: bool = False, seed: int = 0
+) -> fsdpx.Engine:
     opt = same_adamw if same else None
-    return fsdpx.shard(make_model(seed), fsdpx.Config.from_dict(cfg_dict), optimizer=opt)
+    return fsdpx.shard(make_model(seed), as_config(cfg_dict), optimizer=opt)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +156,7 @@ def finish(engine: fsdpx.Engine) -> None:
 
 
 def run_case(
-    cfg_dict: dict[str, Any], root: Path, tag: str, *, same: bool = False
+    cfg_dict: dict[str, Any] | fsdpx.Config, root: Path, tag: str, *, same: bool = False
 ) -> dict[str, Any]:
     engine = build(cfg_dict, same=same)
     record: dict[str, Any] = train(engine, 0, STEPS)
@@ -157,7 +164,7 @@ def run_case(
     record["dtypes"] = {n: local(p).dtype for n, p in engine.module.named_parameters()}
     record["optimizer"] = type(engine.optimizer).__name__
     record["ckpt"] = save(engine, root, tag)
-    off = fsdpx.Config.from_dict(cfg_dict).zero.offload_optimizer
+    off = as_config(cfg_dict).zero.offload_optimizer
     nvme = off.nvme_path if off.device == "nvme" else None
     record["swap_while_open"] = swap_files(nvme) if nvme else []
     record["host_buffer_bytes"] = getattr(engine.optimizer, "host_buffer_bytes", None)

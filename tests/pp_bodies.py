@@ -12,8 +12,7 @@ import fsdpx
 from examples.gpt import GPT, shard_batch
 from fsdpx.distributed import init_distributed
 from fsdpx.parallel_dims import ParallelDims
-from fsdpx.pipeline_parallel import parallelize
-from fsdpx.precision import mp_policy
+from fsdpx.parallelize import parallelize
 from tests.tp_bodies import MODEL, base_cfg, global_batches, lm_loss, make_model
 
 
@@ -25,7 +24,7 @@ def _init(name: str, t: torch.Tensor, g: torch.Generator) -> None:
 
 
 def first_step_grads(cfg_dict: dict[str, Any], block_reshard_after_forward: bool) -> dict[str, Any]:
-    """One schedule step through the 3D recipe with the given block resharding under PP
+    """One schedule step through the parallelize recipe with the given block resharding under PP
     (fsdpx forces False; True is what ZeRO-3 would otherwise ask for). Returns this
     rank's full gradients (None where a parameter got no gradient)."""
     cfg = fsdpx.Config.from_dict(cfg_dict)
@@ -39,10 +38,8 @@ def first_step_grads(cfg_dict: dict[str, Any], block_reshard_after_forward: bool
         cfg=cfg,
         dims=dims,
         mesh=mesh,
-        mp_policy=mp_policy(cfg.precision),
         device=info.device,
         loss_fn=lm_loss,
-        on_meta=False,
         pp_block_reshard_after_forward=block_reshard_after_forward,
     )
     assert built.pipeline is not None

@@ -64,6 +64,29 @@ def test_step_overhead_script_runs() -> None:
     assert re.search(r"max\|dloss\|", out), out
 
 
+@pytest.mark.slow
+def test_step_overhead_compile_rows() -> None:
+    """--compile adds the cfg.compile table (inductor compiles on CPU: minutes, so slow)."""
+    out = _run(
+        [
+            "step_overhead.py",
+            "--stages",
+            "3",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--tiny",
+            "--compile",
+        ],
+        2,
+    )
+    _line(
+        rf"ratio compiled/eager \(median step time; below 1: compile pays off\): stage3={NUM}", out
+    )
+    assert re.search(r"^cfg\.compile step time in ms", out, re.MULTILINE), out
+
+
 def test_checkpoint_script_runs(tmp_path: Path) -> None:
     out = _run(["checkpoint.py", "--params-m", "1", "--layers", "2", "--dir", str(tmp_path)], 2)
     _line(rf"ratio fsdpx/DCP: bytes={NUM} .*save_time={NUM} .*load_time={NUM}", out)

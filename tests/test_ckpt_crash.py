@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import fsdpx.checkpoint as ckpt
+from checkpoint_tools.format import CheckpointCorruptError, CheckpointNotFoundError
 from tests import ckpt_bodies
 from tests.dist import run_ranks
 
@@ -118,16 +119,14 @@ def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def test_load_without_latest_says_so(tmp_path: Path) -> None:
     model, opt = _trained(0)
-    with pytest.raises(ckpt.CheckpointNotFoundError, match=r"has no 'latest' file.*no committed"):
+    with pytest.raises(CheckpointNotFoundError, match=r"has no 'latest' file.*no committed"):
         ckpt.load(tmp_path, model, opt)
     ckpt.save(tmp_path, model, opt, tag="a", options=ckpt.SaveOptions(save_latest=False))
-    with pytest.raises(
-        ckpt.CheckpointNotFoundError, match=r"has no 'latest' file.*\['a'\]; pass tag="
-    ):
+    with pytest.raises(CheckpointNotFoundError, match=r"has no 'latest' file.*\['a'\]; pass tag="):
         ckpt.load(tmp_path, model, opt)
-    with pytest.raises(ckpt.CheckpointNotFoundError, match="does not exist"):
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         ckpt.load(tmp_path / "nowhere", model, opt)
-    with pytest.raises(ckpt.CheckpointNotFoundError, match=r"/b' does not exist.*\['a'\]"):
+    with pytest.raises(CheckpointNotFoundError, match=r"/b' does not exist.*\['a'\]"):
         ckpt.load(tmp_path, model, opt, tag="b")
     assert ckpt.load(tmp_path, model, opt, tag="a").path == tmp_path / "a"
 
@@ -151,7 +150,7 @@ def test_corrupt_newest_names_file_tensor_offset_and_older_checkpoint(tmp_path: 
         r"file \S+global_step3/rank-00000\.data, tensor '(model|optim)/[^']+', offset \d+\)"
         r".*newest older checkpoint that verifies is \S+global_step1' \(tag='global_step1'\)"
     )
-    with pytest.raises(ckpt.CheckpointCorruptError, match=pattern) as info:
+    with pytest.raises(CheckpointCorruptError, match=pattern) as info:
         ckpt.load(tmp_path, fresh, fresh_opt)
     assert info.value.path is not None and info.value.path.endswith("rank-00000.data")
     assert info.value.tensor is not None and info.value.offset is not None
@@ -166,7 +165,7 @@ def test_corrupt_with_no_good_older_checkpoint(tmp_path: Path) -> None:
     ckpt.save(tmp_path, model, opt, tag="only")
     data = tmp_path / "only" / "rank-00000.data"
     _flip_byte(data, data.stat().st_size - 10)
-    with pytest.raises(ckpt.CheckpointCorruptError, match="No older checkpoint under .* verifies"):
+    with pytest.raises(CheckpointCorruptError, match="No older checkpoint under .* verifies"):
         ckpt.load(tmp_path, model, opt)
 
 

@@ -3,6 +3,7 @@ writers, arbitrary sub-rectangles, compression settings, and the user-facing err
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import struct
 import zlib
@@ -369,10 +370,13 @@ if __name__ == "__main__":  # regenerate the golden files: python -m tests.test_
         write_golden(GOLDEN / comp, comp)
 
 
-def test_runtime_name_is_the_same_module() -> None:
+def test_each_format_class_has_one_import_path() -> None:
+    """The format is `checkpoint_tools.format` only: the runtime's star re-export
+    (`fsdpx.checkpoint.format`) is gone, and `fsdpx.checkpoint` offers no format class."""
     import checkpoint_tools.format as pure
-    import fsdpx.checkpoint.format as runtime
+    import fsdpx.checkpoint as runtime
 
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("fsdpx.checkpoint.format")
     for name in pure.__all__:
-        assert getattr(runtime, name) is getattr(pure, name), name
-    assert sorted(runtime.__all__) == sorted(pure.__all__)
+        assert not hasattr(runtime, name), name

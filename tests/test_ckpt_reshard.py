@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdpx.checkpoint import CheckpointReader
+from checkpoint_tools.format import CheckpointReader
 from tests import ckpt_bodies
 from tests.dist import run_ranks
 

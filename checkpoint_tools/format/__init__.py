@@ -1,9 +1,11 @@
 """The fsdpx checkpoint format (spec: checkpoint_tools/FORMAT.md): writer, reader, errors.
 
 This package imports only torch (tensors), numpy, msgpack, zstandard and the standard
-library: never torch.distributed, never the fsdpx runtime, never pickle. The runtime
-re-exports it as `fsdpx.checkpoint.format`; the offline tools import it directly, so
-`fsdpx-ckpt` starts without loading the training stack.
+library: never torch.distributed, never the fsdpx runtime, never pickle. It is the one
+name of the format: the runtime (`fsdpx/checkpoint/`) and the offline tools both import
+the classes below from `checkpoint_tools.format`, and the checkpoint root's rules (tags,
+`latest`, committed, fsync) from `checkpoint_tools.format.root`, so `fsdpx-ckpt` starts
+without loading the training stack.
 """
 
 from checkpoint_tools.format.errors import (
@@ -12,6 +14,7 @@ from checkpoint_tools.format.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointVersionError,
+    DeepSpeedCheckpointError,
 )
 from checkpoint_tools.format.layout import (
     DTYPES,
@@ -44,6 +47,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointVersionError",
     "Chunk",
+    "DeepSpeedCheckpointError",
     "Piece",
     "RankFile",
     "RankWriter",

@@ -4,7 +4,9 @@
     ├── CheckpointNotFoundError     no checkpoint (directory, MANIFEST or `latest` missing)
     ├── CheckpointVersionError      written by a newer, incompatible format major version
     ├── CheckpointFormatError       bytes that do not follow FORMAT.md (bad magic, schema,
-    │                               names, sizes or layouts that break a MUST rule)
+    │   │                           names, sizes or layouts that break a MUST rule)
+    │   └── DeepSpeedCheckpointError    a DeepSpeed checkpoint folder where an fsdpx
+    │                                   checkpoint was expected (never "not found")
     └── CheckpointCorruptError      bytes that follow the format but were damaged
                                     (checksum, size or file-identity mismatch)
 
@@ -60,6 +62,12 @@ class CheckpointVersionError(CheckpointError):
 
 class CheckpointFormatError(CheckpointError):
     """File content violates the format spec (checkpoint_tools/FORMAT.md)."""
+
+
+class DeepSpeedCheckpointError(CheckpointFormatError):
+    """A DeepSpeed checkpoint folder (`latest` + `<tag>/*_states.pt`) was given where an
+    fsdpx checkpoint was expected; see [Note: DeepSpeed folders] in
+    checkpoint_tools/format/deepspeed_folder.py."""
 
 
 class CheckpointCorruptError(CheckpointError):

@@ -44,11 +44,12 @@ def open_inside(directory: Path, name: str) -> BinaryIO:
             f"cannot open {name!r} as a regular file ({exc.strerror}; symlinks are refused)",
             path=path,
         ) from None
-    f = open(fd, "rb", buffering=0)  # noqa: SIM115 - owned by the caller
+    # Checked on the descriptor before wrapping it: open() itself refuses a directory
+    # with IsADirectoryError, which is not a CheckpointError.
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
+        os.close(fd)
         raise CheckpointFormatError(f"{name!r} is not a regular file", path=path)
-    return f
+    return open(fd, "rb", buffering=0)  # noqa: SIM115 - owned by the caller
 
 
 def read_whole(directory: Path, name: str, limit: int) -> bytes:

@@ -37,6 +37,7 @@ from checkpoint_tools.format.layout import (
     index_file_name,
     pack_container,
 )
+from checkpoint_tools.format.root import fsync_dir, fsync_file
 
 WRITER_ID = f"fsdpx-checkpoint {FORMAT_MAJOR}.{FORMAT_MINOR}"
 
@@ -244,8 +245,7 @@ class RankWriter:
         if self._pool is not None:
             self._pool.shutdown()
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            fsync_file(self._f)
         finally:
             self._f.close()
         body = {
@@ -260,7 +260,7 @@ class RankWriter:
         blob = pack_container(INDEX_MAGIC, msgpack.packb(body, use_bin_type=True))
         index_name = index_file_name(self.rank)
         _write_file(self.directory / index_name, blob, exclusive=True)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return {
             "rank": self.rank,
             "index_file": index_name,
@@ -326,19 +326,10 @@ def write_manifest(
     tmp = d / (MANIFEST_NAME + ".tmp")
     _write_file(tmp, pack_container(MANIFEST_MAGIC, packed), exclusive=False)
     os.replace(tmp, d / MANIFEST_NAME)
-    _fsync_dir(d)
+    fsync_dir(d)
 
 
 def _write_file(path: Path, blob: bytes, *, exclusive: bool) -> None:
     with open(path, "xb" if exclusive else "wb") as f:
         f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_file(f)

@@ -1,27 +1,19 @@
-"""Sharded checkpoints: the on-disk format (`fsdpx.checkpoint.format`) and the engine's
-save/load on top of it. Spec: checkpoint_tools/FORMAT.md.
+"""Sharded checkpoints: the engine's save/load on top of the on-disk format.
+
+The format itself (reader, writer, errors) has one name, `checkpoint_tools.format`, and
+the checkpoint root's rules (tags, `latest`, committed, fsync) are
+`checkpoint_tools.format.root`; spec: checkpoint_tools/FORMAT.md.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fsdpx.checkpoint.format import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    CheckpointReader,
-    CheckpointVersionError,
-    RankWriter,
-    write_manifest,
-)
-
 if TYPE_CHECKING:
     from fsdpx.checkpoint.loading import LoadResult, load
     from fsdpx.checkpoint.saving import Checkpointer, SaveOptions, save
 
-# Imported on first use (PEP 562): `fsdpx.checkpoint.format` alone must not pull in the
-# save/load runtime (torch.distributed, the engine's failure handling).
+# Imported on first use (PEP 562): importing a submodule (`fsdpx.checkpoint.commit`) must
+# not pull in the whole save/load runtime (torch.distributed, the engine's failure handling).
 _LAZY = {
     "LoadResult": "fsdpx.checkpoint.loading",
     "load": "fsdpx.checkpoint.loading",
@@ -38,17 +30,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointFormatError",
-    "CheckpointNotFoundError",
-    "CheckpointReader",
-    "CheckpointVersionError",
     "Checkpointer",
     "LoadResult",
-    "RankWriter",
     "SaveOptions",
     "load",
     "save",
-    "write_manifest",
 ]

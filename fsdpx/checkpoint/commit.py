@@ -14,11 +14,15 @@ A rank killed at any point leaves either the previous state (no rename happened,
 names the previous checkpoint) or a complete new checkpoint: `latest` is only ever
 replaced by a rename, after the directory it names is complete and durable. Leftover
 `*.tmp-*` directories of interrupted saves are removed by the next successful save.
+
+What a tag is, how `latest` is written and read, what "committed" means and the fsync
+steps are the root's rules, owned by checkpoint_tools/format/root.py ([Note: one owner
+of the checkpoint root]) and shared with the offline tools; this module adds only the
+multi-rank protocol on top (the vote, the directory rename, cleanup and retention).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import secrets
@@ -30,30 +34,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from fsdpx.checkpoint.format import MANIFEST_NAME
-
-LATEST = "latest"
-TMP_MARK = ".tmp-"
-
-
-def check_tag(tag: str) -> str:
-    """A tag is one directory name under the checkpoint root."""
-    if (
-        not isinstance(tag, str)
-        or not tag
-        or tag in (".", "..", LATEST)
-        or "/" in tag
-        or "\\" in tag
-        or "\0" in tag
-        or tag.startswith(".")
-        or TMP_MARK in tag
-    ):
-        raise ValueError(
-            f"checkpoint tag must be a plain directory name (no '/', not starting with "
-            f"'.', not 'latest', without '{TMP_MARK}'); got {tag!r}"
-        )
-    return tag
-
+from checkpoint_tools.format.root import LATEST, TMP_MARK, committed, fsync_dir
 
 # --- collectives ------------------------------------------------------------------------
 
@@ -104,14 +85,6 @@ def new_nonce() -> str:
 # --- filesystem -------------------------------------------------------------------------
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def temp_dir(root: Path, tag: str, nonce: str) -> Path:
     return root / f"{tag}{TMP_MARK}{nonce}"
 
@@ -146,46 +119,6 @@ def commit_dir(temp: Path, final: Path) -> None:
         return
     os.rename(temp, final)
     fsync_dir(final.parent)
-
-
-def write_latest(root: Path, tag: str) -> None:
-    """Atomically make `<root>/latest` name `tag`: temp file, fsync, rename, fsync dir."""
-    tmp = root / f"{LATEST}{TMP_MARK}{new_nonce()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(tag + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / LATEST)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(root)
-
-
-def read_latest(root: Path) -> str | None:
-    """The tag `<root>/latest` names, or None when there is no such file."""
-    try:
-        text = (root / LATEST).read_text()
-    except FileNotFoundError:
-        return None
-    return text.strip()
-
-
-def committed(root: Path) -> list[Path]:
-    """Committed checkpoints under `root` (directories holding a MANIFEST), oldest first by
-    the MANIFEST's modification time (its commit time), then by name."""
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        if TMP_MARK in d.name or not d.is_dir():
-            continue
-        manifest = d / MANIFEST_NAME
-        with contextlib.suppress(OSError):
-            found.append((manifest.stat().st_mtime_ns, d.name, d))
-    return [d for _, _, d in sorted(found)]
 
 
 def remove_stale_temps(root: Path) -> None:

@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdpx.checkpoint import commit
-from fsdpx.checkpoint.format import (
+from checkpoint_tools.format import (
     MODEL_PREFIX,
     CheckpointCorruptError,
     CheckpointError,
@@ -31,8 +30,11 @@ from fsdpx.checkpoint.format import (
     CheckpointNotFoundError,
     CheckpointReader,
     CheckpointVersionError,
+    DeepSpeedCheckpointError,
     optim_name,
 )
+from checkpoint_tools.format.root import committed, resolve
+from fsdpx.checkpoint import commit
 from fsdpx.checkpoint.state import (
     local_tensor,
     model_tensors,
@@ -55,6 +57,7 @@ _REBUILDABLE: dict[str, type[Exception]] = {
         CheckpointCorruptError,
         CheckpointFormatError,
         CheckpointVersionError,
+        DeepSpeedCheckpointError,
     )
 }
 
@@ -71,45 +74,9 @@ class LoadResult:
     """Step counters given to save ({} with load_module_only)."""
 
 
-def resolve(directory: str | Path, tag: str | None) -> Path:
-    """The checkpoint directory `tag` (None: the one `<directory>/latest` names)."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(
-            f"checkpoint directory {str(root)!r} does not exist (or is not a directory)"
-        )
-    found = [d.name for d in commit.committed(root)]
-    listing = (
-        f"Committed checkpoints there: {found}; pass tag=<one of them> to load one."
-        if found
-        else "It holds no committed checkpoint either; check the path."
-    )
-    if tag is None:
-        tag = commit.read_latest(root)
-        if tag is None:
-            raise CheckpointNotFoundError(
-                f"no checkpoint to load: {str(root)!r} has no 'latest' file (written after "
-                f"a checkpoint is committed). {listing}"
-            )
-        try:
-            commit.check_tag(tag)
-        except ValueError:
-            raise CheckpointFormatError(
-                f"{str(root / commit.LATEST)!r} names {tag!r}, which is not a checkpoint tag"
-            ) from None
-        named = " (the one 'latest' names)"
-    else:
-        commit.check_tag(tag)
-        named = ""
-    path = root / tag
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint {str(path)!r}{named} does not exist. {listing}")
-    return path
-
-
 def older_that_verifies(path: Path) -> str:
     """A sentence naming the newest checkpoint committed before `path` that verifies."""
-    ckpts = commit.committed(path.parent)
+    ckpts = committed(path.parent)
     names = [d.name for d in ckpts]
     older = ckpts[: names.index(path.name)] if path.name in names else ckpts
     for d in reversed(older):
@@ -335,10 +302,13 @@ def load(
     Returns:
         LoadResult(path, client_state, engine_state).
     Raises:
-        CheckpointNotFoundError: no `latest` (or no such tag); CheckpointCorruptError: a
-        checksum failed (names file, tensor and offset, and an older checkpoint that
-        verifies); ValueError: the model or optimizer does not match the checkpoint.
-        Every rank raises the same error.
+        CheckpointNotFoundError: no `latest` (or no such tag); CheckpointFormatError: a
+        bad `latest` (symlink, oversized, not a tag); DeepSpeedCheckpointError: a
+        DeepSpeed checkpoint folder; CheckpointCorruptError: a checksum failed (names
+        file, tensor and offset, and an older checkpoint that verifies); ValueError: a
+        bad tag, or the model or optimizer does not match the checkpoint. The directory
+        is resolved by checkpoint_tools.format.root.resolve (FORMAT.md §2.1). Every rank
+        raises the same error.
 
     Example::
 

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checkpoint_tools.format import CheckpointError, RankWriter, write_manifest
+from checkpoint_tools.format.root import check_tag, read_latest, write_latest
 from fsdpx.checkpoint import commit
 from fsdpx.checkpoint.async_save import BackgroundWriter
-from fsdpx.checkpoint.format import CheckpointError, RankWriter, write_manifest
 from fsdpx.checkpoint.loading import LoadResult, load
 from fsdpx.checkpoint.state import (
     Piece,
@@ -104,7 +105,7 @@ def _plan(
                 "['global_steps'], which was not given; pass tag='...' or engine_state"
             )
         tag = f"global_step{engine_state['global_steps']}"
-    commit.check_tag(tag)
+    check_tag(tag)
     if client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"client_state must be a dict; got {type(client_state).__name__}")
     pieces, optim_meta = collect_pieces(model, optimizer, rank, plain_writer, masters)
@@ -194,7 +195,7 @@ def _write_and_commit(
             )
             commit.commit_dir(temp, final)
             if options.save_latest:
-                commit.write_latest(plan.root, plan.tag)
+                write_latest(plan.root, plan.tag)
         except Exception as exc:
             commit_error = exc
             shutil.rmtree(temp, ignore_errors=True)
@@ -213,11 +214,11 @@ def _housekeeping(root: Path, tag: str, options: SaveOptions) -> None:
     try:
         commit.remove_stale_temps(root)
         protect = {tag}
-        latest = commit.read_latest(root)
+        latest = read_latest(root)  # a damaged `latest` raises: then nothing is removed
         if latest:
             protect.add(latest)
         commit.apply_retention(root, options.keep_last, protect=protect)
-    except OSError as exc:
+    except (OSError, CheckpointError) as exc:
         warnings.warn(
             f"checkpoint {tag!r} is committed, but cleaning up {root} failed: {exc}",
             stacklevel=3,

@@ -37,7 +37,7 @@ try:
 except ImportError:  # torch < 2.13 (e.g. a GPU image's older torch): no FSDP-over-TP saves
     _StridedShardOffsetMode = None  # type: ignore[assignment,misc]
 
-from fsdpx.checkpoint.format import MODEL_PREFIX, optim_name
+from checkpoint_tools.format import MODEL_PREFIX, optim_name
 
 _MSGPACK_INT = (-(2**63), 2**64 - 1)
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpx.checkpoint.format import CheckpointNotFoundError
+from checkpoint_tools.format import CheckpointNotFoundError
 from fsdpx.deepspeed._data import ROUTE_TRAIN, build_loader
 from fsdpx.engine import Engine
 from fsdpx.parallel_dims import ParallelDims

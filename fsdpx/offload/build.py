@@ -8,7 +8,8 @@
 | cpu           | nvme              | CPUOffloadPolicy    | OffloadedAdamW over the host params, states on NVMe |
 
 `CPUOffloadPolicy()` pins host memory by default, which fails on a machine without an
-accelerator: pin_memory defaults to whether one exists.
+accelerator: pin_memory defaults to whether one exists, and an explicit request to pin is
+ignored (said once) where none does (see [Note: pin_memory without an accelerator] in pin.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from fsdpx.config import Config
 from fsdpx.offload.cpu import OffloadedAdamW
+from fsdpx.offload.pin import host_pin
 from fsdpx.optim import AdamW
 from fsdpx.precision import torch_dtype
 
@@ -76,7 +78,7 @@ def offload_policy(cfg: Config) -> OffloadPolicy | None:
     param_off = cfg.zero.offload_param
     if param_off.device != "cpu":
         return None
-    pin = torch.cuda.is_available() if param_off.pin_memory is None else param_off.pin_memory
+    pin = host_pin(param_off.pin_memory, section="offload_param", default=torch.cuda.is_available())
     return CPUOffloadPolicy(pin_memory=pin)
 
 

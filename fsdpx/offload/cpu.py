@@ -41,6 +41,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdpx.checkpoint.state import OFFLOAD_OWNER
 from fsdpx.config import OffloadConfig
 from fsdpx.offload.grad_stream import GradStreamer, local
+from fsdpx.offload.pin import host_pin
 from fsdpx.ops import adam_step
 from fsdpx.optim import adamw_defaults
 
@@ -132,7 +133,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.offload = offload
         params_list = [p for g in self.param_groups for p in g["params"]]
         on_accel = any(local(p).device.type != "cpu" for p in params_list)
-        self._pin = on_accel if offload.pin_memory is None else offload.pin_memory
+        self._pin = host_pin(offload.pin_memory, section="offload_optimizer", default=on_accel)
         self._stream = torch.cuda.Stream() if on_accel and torch.cuda.is_available() else None
         self._h2d_done: torch.cuda.Event | None = None
         self._slots: dict[int, _Slot] = {}
