@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fsdpx.telemetry.protocol import (  # noqa: E402
+from fsdpx.telemetry.wire.protocol import (  # noqa: E402
     FrameDecoder,
     encode_frame,
     make_challenge,

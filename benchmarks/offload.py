@@ -13,7 +13,7 @@ The default run takes 2.5-4.5 minutes on 2 shared CPU cores and up to ~6 GB of m
 
 What is compared
 ----------------
-1. **Optimizer step with CPU offload.** The GPT of ``examples/gpt.py`` (built on meta,
+1. **Optimizer step with CPU offload.** The GPT of ``fsdpx/demo/gpt.py`` (built on meta,
    materialised from the same seed) is trained by
 
    * ``fsdpx``: ``fsdpx.shard(model, Config(zero=ZeroConfig(stage=3,
@@ -91,13 +91,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdpx  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
 from fsdpx.config import (  # noqa: E402
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
     ZeroConfig,
 )
+from fsdpx.demo.gpt import GPT, GPTConfig  # noqa: E402
 
 OPT = OptimizerConfig(type="adamw", lr=1e-4, weight_decay=0.01)
 STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per parameter

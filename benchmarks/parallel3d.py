@@ -46,11 +46,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-# Run as a script: put the repository root on the path for `examples`.
+# Run as a script: the repository root on the path (this checkout's fsdpx and tests).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdpx  # noqa: E402
-from examples.gpt import GPT, GPTConfig, shard_batch  # noqa: E402
+from fsdpx.demo.gpt import GPT, GPTConfig, shard_batch  # noqa: E402
 from fsdpx.parallel_dims import ParallelDims  # noqa: E402
 
 LAYOUTS_4: dict[str, dict[str, Any]] = {

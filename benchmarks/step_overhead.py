@@ -16,7 +16,7 @@ without it, added per stage with ``--compile``::
 
 What is compared, per stage
 ---------------------------
-The GPT of ``examples/gpt.py`` is built twice from the same seed:
+The GPT of ``fsdpx/demo/gpt.py`` is built twice from the same seed:
 
 * **raw**: hand-written FSDP2 as DESIGN.md section 3 says: ``fully_shard`` on every block
   (``reshard_after_forward=True`` for stage 3, ``False`` for stages 0-2), then on the root
@@ -127,8 +127,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdpx  # noqa: E402
-from examples.gpt import GPT, GPTConfig, batches, stdlib_corpus  # noqa: E402
 from fsdpx.config import OptimizerConfig, ZeroConfig  # noqa: E402
+from fsdpx.demo.gpt import GPT, GPTConfig, batches, stdlib_corpus  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -6,7 +6,7 @@ Run from the repository root::
     python benchmarks/telemetry.py                      # both parts, defaults below
     python benchmarks/telemetry.py --steps 20 --fanin-frames 200 --tiny    # smoke
 
-Step time (one process, CPU): the GPT of examples/gpt.py (the example's size unless
+Step time (one process, CPU): the GPT of fsdpx/demo/gpt.py (the example's size unless
 --tiny) is sharded once with telemetry enabled; local rank 0 starts the in-process relay
 (writing a zstd log), as a one-node run does, so the relay thread's work is inside the
 measured process. Steps are interleaved on/off (order flipped every pair; "off" sets
@@ -40,10 +40,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdpx  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
-from fsdpx.telemetry.protocol import RECORD_FIELDS, encode_frame  # noqa: E402
-from fsdpx.telemetry.relay import Relay  # noqa: E402
-from fsdpx.telemetry.transport import connect  # noqa: E402
+from fsdpx.demo.gpt import GPT, GPTConfig  # noqa: E402
+from fsdpx.telemetry.wire.protocol import RECORD_FIELDS, encode_frame  # noqa: E402
+from fsdpx.telemetry.wire.relay import Relay  # noqa: E402
+from fsdpx.telemetry.wire.transport import connect  # noqa: E402
 
 
 def _pct(values: list[float], q: float) -> float:

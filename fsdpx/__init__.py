@@ -9,7 +9,7 @@ Example::
     engine.backward(loss)
     engine.step()
 
-The names below are imported on first use (PEP 562): `import fsdpx.telemetry.protocol`
+The names below are imported on first use (PEP 562): `import fsdpx.telemetry.wire.protocol`
 (the monitor) must not load torch's distributed runtime just because this package file
 runs first. The checkpoint errors are defined by `checkpoint_tools.format` (the format's
 one name) and offered here so that `fsdpx.CheckpointError` works.
@@ -20,19 +20,27 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# public name -> module that defines it
+# The public names, listed once: name -> module that defines it (`__all__` is its keys).
+# Errors: every name of fsdpx.errors.__all__ (tests/test_errors.py checks it).
 _EXPORTS = {
+    "AioError": "fsdpx.errors",
+    "AuthError": "fsdpx.errors",
     "Axis": "fsdpx.parallel_dims",
-    "CheckpointCorruptError": "checkpoint_tools.format",
-    "CheckpointError": "checkpoint_tools.format",
-    "CheckpointNotFoundError": "checkpoint_tools.format",
+    "CheckpointCorruptError": "fsdpx.errors",
+    "CheckpointError": "fsdpx.errors",
+    "CheckpointFormatError": "fsdpx.errors",
+    "CheckpointNotFoundError": "fsdpx.errors",
+    "CheckpointVersionError": "fsdpx.errors",
     "Config": "fsdpx.config",
-    "DeepSpeedCheckpointError": "checkpoint_tools.format",
+    "DeepSpeedCheckpointError": "fsdpx.errors",
     "DistInfo": "fsdpx.distributed",
     "Engine": "fsdpx.engine",
     "FsdpxError": "fsdpx.errors",
     "MemoryEstimate": "fsdpx.estimate",
+    "NvmeOffloadError": "fsdpx.errors",
+    "NvmeOffloadIOError": "fsdpx.errors",
     "ParallelDims": "fsdpx.parallel_dims",
+    "ProtocolError": "fsdpx.errors",
     "RankFailureError": "fsdpx.errors",
     "StepResult": "fsdpx.engine",
     "clip_grad_norm_": "fsdpx.clip",
@@ -43,41 +51,29 @@ _EXPORTS = {
     "total_grad_norm": "fsdpx.clip",
 }
 
-__all__ = [
-    "Axis",
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "Config",
-    "DeepSpeedCheckpointError",
-    "DistInfo",
-    "Engine",
-    "FsdpxError",
-    "MemoryEstimate",
-    "ParallelDims",
-    "RankFailureError",
-    "StepResult",
-    "clip_grad_norm_",
-    "estimate_memory",
-    "init_distributed",
-    "per_param_init",
-    "shard",
-    "total_grad_norm",
-]
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
+# ruff: noqa: F401  (the imports below exist for type checkers, which cannot read _EXPORTS)
 if TYPE_CHECKING:
-    from checkpoint_tools.format import (
-        CheckpointCorruptError,
-        CheckpointError,
-        CheckpointNotFoundError,
-        DeepSpeedCheckpointError,
-    )
     from fsdpx.clip import clip_grad_norm_, total_grad_norm
     from fsdpx.config import Config
     from fsdpx.distributed import DistInfo, init_distributed
     from fsdpx.engine import Engine, StepResult
-    from fsdpx.errors import FsdpxError, RankFailureError
+    from fsdpx.errors import (
+        AioError,
+        AuthError,
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointFormatError,
+        CheckpointNotFoundError,
+        CheckpointVersionError,
+        FsdpxError,
+        NvmeOffloadError,
+        NvmeOffloadIOError,
+        ProtocolError,
+        RankFailureError,
+    )
     from fsdpx.estimate import MemoryEstimate, estimate_memory
     from fsdpx.materialize import per_param_init
     from fsdpx.parallel_dims import Axis, ParallelDims

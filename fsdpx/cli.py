@@ -3,7 +3,7 @@
     fsdpx config show FILE      print FILE's fully resolved config (every default filled) as JSON
     fsdpx config explain FILE   translate a DeepSpeed config; table of mapped/ignored/refused keys
     fsdpx estimate --params 1.3B --world-size 64   per-rank memory per ZeRO stage / offload
-    fsdpx demo                  train the example GPT on 2 CPU ranks and watch it live
+    fsdpx demo                  train the demo GPT on 2 CPU ranks and watch it live
 
 Exit codes: 0 success, 2 bad input (unreadable file, invalid config, bad arguments).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,24 +37,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo(commands: argparse._SubParsersAction) -> None:
-    # The demo lives with the monitor (monitor/demo.py); imported only when run.
-    from monitor.demo import add_arguments
-
-    demo = commands.add_parser(
+    # Its options (--help included) are the monitor's: passed on unparsed.
+    commands.add_parser(
         "demo",
-        help="train the example GPT on 2 CPU ranks with the live monitor",
-        description="Launch examples/train_gpt.py on CPU ranks with telemetry on and open "
-        "the monitor on it in this terminal (plain progress lines when stdout is not a "
-        "terminal). Writes a replay log and the training's output under --out.",
+        add_help=False,
+        help="train the demo GPT on 2 CPU ranks with the live monitor (fsdpx demo --help)",
     )
-    add_arguments(demo)
-    demo.set_defaults(func=_demo)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from monitor.demo import run_demo
+def _demo(argv: Sequence[str]) -> int:
+    """Run `fsdpx-monitor demo ARGV` as a child process; its exit code.
 
-    return run_demo(args)
+    [Note: fsdpx demo] The demo is the monitor's (monitor/demo.py: a relay, the TUI or
+    progress lines) and the training it watches is the library's (`python -m
+    fsdpx.demo.train`, shipped in the package so a pip install runs it). The dependency
+    goes monitor -> fsdpx only: this command starts `python -m monitor demo` with this
+    interpreter instead of importing monitor, so the library never imports the monitor's
+    code (nor Textual).
+    """
+    child = subprocess.Popen([sys.executable, "-m", "monitor", "demo", *argv])
+    while True:
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reached the child too (same process group): it stops its training
+            # cleanly and exits; wait for that rather than orphaning it.
+            continue
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,7 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         $ fsdpx config show train.json
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        return _demo(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.func(args))
 
 

@@ -498,7 +498,7 @@ class TelemetryConfig:
     selector, `fsdpx-monitor export --run`). None: global rank 0 makes one (UTC start
     time + random bits) and shares it with every rank. A value you set must differ per
     launch (e.g. your scheduler's job id and restart count): two launches with one id
-    are shown as one run. See fsdpx/telemetry/runs.py [Note: run identity]."""
+    are shown as one run. See fsdpx/telemetry/wire/runs.py [Note: run identity]."""
     job: str | None = None
     """The job's name, the same for every launch of it (a resume into the same log is a
     later run of the same job). None: torchrun's rendezvous id (TORCHELASTIC_RUN_ID)

@@ -13,6 +13,7 @@ Built by `fsdpx.shard`; not meant to be constructed directly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from fsdpx.offload.step import offloaded_step
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner
 from fsdpx.precision import LossScaler, grads_have_overflow, unscale_grads_
+from fsdpx.telemetry.checkpoint_events import report_loaded, saved_reporter
 from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
 
@@ -324,7 +326,8 @@ class Engine:
         not saved). client_state: msgpack-able values (rank 0's is kept), e.g. the epoch or
         data-loader position. With checkpoint.async_save it returns once the state is in
         host memory; the next save, load_checkpoint or wait_for_checkpoint waits for it.
-        Returns the checkpoint's path.
+        Returns the checkpoint's path. With telemetry, rank 0 sends `checkpoint_saved` once
+        the checkpoint is committed ([Note: checkpoint events] in checkpoint/saving.py).
         """
         return self._checkpointer.save(
             save_dir,
@@ -337,6 +340,7 @@ class Engine:
             layout={"zero_stage": self.config.zero.stage, "mesh": list(self.mesh.shape)},
             tag=tag,
             save_latest=save_latest,
+            on_commit=saved_reporter(self.telemetry, step=self.global_steps),
             **self._checkpoint_layout(),
         )
 
@@ -354,8 +358,11 @@ class Engine:
         world size, ZeRO stage or mesh. Returns (checkpoint path, client_state). Raises
         fsdpx.CheckpointNotFoundError when there is nothing to load (DeepSpeed returns
         None), CheckpointCorruptError naming the damaged file, tensor and offset, and
-        DeepSpeedCheckpointError for a DeepSpeed checkpoint folder.
+        DeepSpeedCheckpointError for a DeepSpeed checkpoint folder. With telemetry, rank 0
+        sends `checkpoint_loaded` ([Note: checkpoint events]).
         """
+        self._checkpointer.wait()  # a save in flight is not part of the load's time
+        started = time.perf_counter()
         result = self._checkpointer.load(
             load_dir,
             model=self.module,
@@ -371,6 +378,8 @@ class Engine:
         for k in self._COUNTERS:
             if k in result.engine_state:
                 setattr(self, k, int(result.engine_state[k]))
+        took = time.perf_counter() - started
+        report_loaded(self.telemetry, result, step=self.global_steps, duration_s=took)
         return result.path, result.client_state
 
     def _checkpoint_layout(self) -> dict[str, Any]:

@@ -43,6 +43,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fsdpx.dtensor import to_local
+
 ParamInit = Callable[[str, torch.Tensor, torch.Generator], None]
 
 # Name parts added by wrappers (activation checkpointing, torch.compile, FSDP1) that the
@@ -97,7 +99,7 @@ def materialize_(
             if name in kept:
                 tensor.copy_(kept[name])
             elif name in meta:
-                _fill_sentinel(_local(tensor))
+                _fill_sentinel(to_local(tensor))
     del kept
 
     if init_fn is not None:
@@ -191,10 +193,6 @@ def _named_tensors(model: nn.Module, *, buffers: bool) -> Iterator[tuple[str, to
         yield from model.named_buffers()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _unwrapped_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
@@ -221,7 +219,7 @@ def _fill_sentinel(tensor: torch.Tensor) -> None:
 
 
 def _unwritten(tensor: torch.Tensor) -> bool:
-    local, value = _local(tensor), _sentinel(tensor.dtype)
+    local, value = to_local(tensor), _sentinel(tensor.dtype)
     if value is None or local.numel() == 0:
         return False
     if isinstance(value, float):

@@ -5,7 +5,7 @@ stages removed: top-level modules (embeddings, final norm, head) are set to None
 are deleted from their ModuleList *keeping the other keys*, so parameter names on every
 stage are those of the full model (`blocks.5.mlp.up_proj.weight` stays that on stage 2)
 and checkpoints move between layouts. The model's forward must skip a None module and
-iterate its block list (torchtitan's convention; examples/gpt.py follows it). Modules
+iterate its block list (torchtitan's convention; fsdpx/demo/gpt.py follows it). Modules
 without parameters (dropout, rotary tables) stay on every stage.
 
 Units, in registration order: the children of the model, with the block list's parent

@@ -22,9 +22,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from fsdpx.config import Config, LossScaleConfig, PrecisionConfig
+from fsdpx.dtensor import to_local
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -192,7 +192,7 @@ def _local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         g = p.grad
         if g is None:
             continue
-        grads.append(g.to_local() if isinstance(g, DTensor) else g)
+        grads.append(to_local(g))
     return grads
 
 
@@ -231,7 +231,7 @@ def grads_have_overflow(
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if not grads and not distributed:
         return False
-    locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    locals_ = [to_local(p) for p in params]
     device = _flag_device(grads + locals_, group)
     flag = torch.zeros((), dtype=torch.float32, device=device)
     if grads:

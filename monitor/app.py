@@ -23,7 +23,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Input
 
-from fsdpx.telemetry.transport import parse_address
+from fsdpx.telemetry.wire.transport import parse_address
 from monitor.messages import ConnectionChanged, ReplayLoaded, TelemetryBatch
 from monitor.model import MonitorModel, MonitorSettings, Snapshot
 from monitor.receiver import Batch, RelayClient
@@ -178,11 +178,7 @@ class MonitorApp(App[None]):
         return post
 
     def _post_batch(self, batch: Batch) -> None:
-        self.post_message(
-            TelemetryBatch(
-                batch.source, batch.records, batch.events, batch.received_at, batch.history
-            )
-        )
+        self.post_message(TelemetryBatch(**vars(batch)))
 
     @property
     def shown_run(self) -> str | None:

@@ -5,6 +5,8 @@
     fsdpx-monitor export RUN.tlm --csv DIR   one CSV row per run-rank-step (+ events.csv)
                                              (--run RUN: one run of the log)
     fsdpx-monitor export RUN.tlm --tensorboard DIR   TensorBoard event files per rank
+    fsdpx-monitor demo                       train the demo GPT on 2 CPU ranks, watch it
+                                             (what `fsdpx demo` runs; monitor/demo.py)
 
 ADDR: a Unix socket path or host:port (monitor/PROTOCOL.md). A relay started with a
 shared secret needs the same secret here, read from the environment variable named by
@@ -22,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdpx.telemetry.logfile import iter_log
-from fsdpx.telemetry.transport import DEFAULT_SECRET_ENV, default_address, read_secret
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.transport import DEFAULT_SECRET_ENV, default_address, read_secret
 
 if TYPE_CHECKING:
     from monitor.app import MonitorApp
@@ -34,7 +36,7 @@ TEXTUAL_MISSING = (
 )
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
-SUBCOMMANDS = ("replay", "export")
+SUBCOMMANDS = ("replay", "export", "demo")
 
 
 def _add_thresholds(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +96,22 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
         "outlived a job); '' picks records written without a run id. Default: every run, "
         "told apart by the run_id column",
     )
-    return {"live": live, "replay": replay, "export": export}
+    return {"live": live, "replay": replay, "export": export, "demo": _demo_parser()}
+
+
+def _demo_parser() -> argparse.ArgumentParser:
+    from monitor.demo import add_arguments
+
+    # `fsdpx demo` is the documented name; it runs this ([Note: fsdpx demo] in fsdpx/cli.py).
+    demo = argparse.ArgumentParser(
+        prog="fsdpx demo",
+        description="Launch the demo training (python -m fsdpx.demo.train) on CPU ranks with "
+        "telemetry on and open the monitor on it in this terminal (plain progress lines when "
+        "stdout is not a terminal). Writes a replay log and the training's output under "
+        "--out. Also `fsdpx-monitor demo`.",
+    )
+    add_arguments(demo)
+    return demo
 
 
 def _error(command: str, message: str) -> int:
@@ -123,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args_in[0] if args_in and args_in[0] in SUBCOMMANDS else "live"
     if command == "export":
         return _export(parsers["export"].parse_args(args_in[1:]))
+    if command == "demo":
+        from monitor.demo import run_demo
+
+        return run_demo(parsers["demo"].parse_args(args_in[1:]))
     if command == "replay":
         args = parsers["replay"].parse_args(args_in[1:])
     else:

@@ -1,7 +1,9 @@
-"""`fsdpx demo`: train the example GPT on 2 CPU ranks with telemetry on, and watch it.
+"""`fsdpx demo`: train the demo GPT on 2 CPU ranks with telemetry on, and watch it.
 
-The demo starts a relay itself (so it outlives the training and keeps a replay log),
-launches `examples/train_gpt.py` under torchrun with `--telemetry`, and opens the monitor
+`fsdpx demo` runs this as `fsdpx-monitor demo` (a child process: [Note: fsdpx demo] in
+fsdpx/cli.py). The demo starts a relay itself (so it outlives the training and keeps a
+replay log), launches `python -m fsdpx.demo.train` (shipped with the package, so a pip
+install runs it) under torchrun with `--telemetry`, and opens the monitor
 on the relay in this terminal; the training's own output goes to a file so it does not
 draw over the screen. When stdout is not a terminal (CI, a pipe) it prints one progress
 line per `--every` steps from the same telemetry instead, and ends with the training.
@@ -28,7 +30,8 @@ from monitor.progress import ProgressLines
 from monitor.receiver import Batch, RelayClient
 from monitor.table_view import fmt_duration, fmt_float
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+TRAINING = "fsdpx.demo.train"
+"""The module torchrun runs on each rank (fsdpx/demo/train.py)."""
 
 
 @dataclass(frozen=True)
@@ -69,19 +72,12 @@ def run_demo(args: argparse.Namespace) -> int:
 
         run_demo(argparse.Namespace(steps=20, ranks=2, out=Path("out/demo"), every=5))
     """
-    from fsdpx.telemetry.relay import Relay
+    from fsdpx.telemetry.wire.relay import Relay
 
     if args.steps < 1 or args.ranks < 1 or args.every < 1:
         print(
             f"fsdpx demo: error: --steps, --ranks and --every must be >= 1; got "
             f"{args.steps}, {args.ranks}, {args.every}",
-            file=sys.stderr,
-        )
-        return 2
-    if not EXAMPLE.exists():
-        print(
-            f"fsdpx demo: error: the example {EXAMPLE} is missing; the demo runs from a "
-            "source checkout of fsdpx (git clone, then pip install -e .)",
             file=sys.stderr,
         )
         return 2
@@ -126,7 +122,7 @@ def _launch(
     args: argparse.Namespace, address: str, paths: DemoPaths, stop_file: Path
 ) -> subprocess.Popen[bytes]:
     # The ranks find the demo's relay through telemetry.relay in a generated config (the
-    # example's own settings plus that), and never start their own (start_relay false).
+    # training's own settings plus that), and never start their own (start_relay false).
     config = paths.out / "demo_config.json"
     config.write_text(_config_json(args.steps, address))
     command = [
@@ -135,7 +131,8 @@ def _launch(
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={args.ranks}",
-        str(EXAMPLE),
+        "-m",
+        TRAINING,
         "--steps",
         str(args.steps),
         "--config",

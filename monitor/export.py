@@ -3,7 +3,7 @@
 Both stream the log (a long run's log need not fit in memory) and keep the first record
 of each (run, rank, step): a publisher that resends after a reconnect must not double
 rows, and a second run in the same log (a resume, or another job on a relay that
-outlived the first) is kept apart by its `run_id` (fsdpx/telemetry/runs.py [Note: run
+outlived the first) is kept apart by its `run_id` (fsdpx/telemetry/wire/runs.py [Note: run
 identity]); `run=` picks one run.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpx.telemetry.logfile import iter_log
-from fsdpx.telemetry.protocol import EVENT_FIELDS, RECORD_FIELDS
-from fsdpx.telemetry.runs import run_of
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.protocol import EVENT_FIELDS, RECORD_FIELDS
+from fsdpx.telemetry.wire.runs import run_of
 
 _RUN_FIRST = ("run_id", "job")
 RECORD_COLUMNS = _RUN_FIRST + tuple(k for k in RECORD_FIELDS if k not in _RUN_FIRST)

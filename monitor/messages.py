@@ -14,17 +14,15 @@ from typing import Any
 
 from textual.message import Message
 
+from monitor.receiver import Batch
+
 
 @dataclass
-class TelemetryBatch(Message):
-    """Records and events received together (a `history`, or `flush_interval_s` of live
-    traffic) from one source, at monitor time `received_at`."""
-
-    source: str
-    records: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    received_at: float = 0.0
-    history: bool = False
+class TelemetryBatch(Batch, Message):
+    """A receiver `Batch` posted to the app: records and events received together (a
+    `history`, or `flush_interval_s` of live traffic) from one source, at monitor time
+    `received_at`. The fields are `Batch`'s, declared once there: the receiver stays free
+    of Textual (the demo and tests use it without an app)."""
 
 
 @dataclass

@@ -21,14 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpx.telemetry.protocol import (
+from fsdpx.telemetry.wire.protocol import (
     FrameDecoder,
     ProtocolError,
     check_welcome,
     encode_frame,
     make_hello,
 )
-from fsdpx.telemetry.transport import parse_address
+from fsdpx.telemetry.wire.transport import parse_address
 
 _READ_BYTES = 1 << 18
 

@@ -18,13 +18,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpx.telemetry.logfile import iter_log
+from fsdpx.telemetry.wire.logfile import iter_log
 
 SPEEDS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
 def load_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All messages of a replay log (see fsdpx/telemetry/logfile.py).
+    """All messages of a replay log (see fsdpx/telemetry/wire/logfile.py).
 
     Raises:
         ValueError: not a telemetry log. OSError: unreadable file.

@@ -1,7 +1,7 @@
 """The runs a monitor has seen: one `MonitorModel` per run, so runs never mix.
 
 A relay can outlive a job, and a log holds every launch appended to it (a resume is a
-new launch: fsdpx/telemetry/runs.py [Note: run identity]). Records and events are routed
+new launch: fsdpx/telemetry/wire/runs.py [Note: run identity]). Records and events are routed
 by their `run_id` to that run's own model, so a new run starts with fresh per-rank state:
 no error flag carried over from the previous run, its own loss curve, its own elapsed
 time. Items without a run id (older publishers and logs) form one unnamed run.
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpx.telemetry.runs import run_of
+from fsdpx.telemetry.wire.runs import run_of
 from monitor.model import MonitorModel
 from monitor.state import MonitorSettings
 

@@ -2,7 +2,7 @@
 
 Used by the tests (fixed logs, model and app checks) and by benchmarks/monitor_cpu.py
 (thousands of simulated ranks) so both exercise the monitor with the same shapes the
-publisher sends (the field names of `fsdpx.telemetry.protocol.RECORD_FIELDS`).
+publisher sends (the field names of `fsdpx.telemetry.wire.protocol.RECORD_FIELDS`).
 """
 
 from __future__ import annotations

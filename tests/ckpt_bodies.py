@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fsdpx
-from examples.gpt import GPT, shard_batch
 from fsdpx.checkpoint.state import model_tensors, param_names
+from fsdpx.demo.gpt import GPT, shard_batch
 from fsdpx.parallel_dims import ParallelDims
 from tests import tp_bodies
 from tests.parity import TINY

@@ -3,6 +3,6 @@
 import sys
 from pathlib import Path
 
-# Put the repo root on sys.path so `import examples` works under a bare `pytest` as well as
+# Put the repo root on sys.path so `import tests` works under a bare `pytest` as well as
 # `python -m pytest` (which adds the current directory itself).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

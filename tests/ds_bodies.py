@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import fsdpx
-from examples.gpt import GPT, GPTConfig, shard_batch
+from fsdpx.demo.gpt import GPT, GPTConfig, shard_batch
 from tests.parity import TINY, make_model
 
 STEPS = 4

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdpx.deepspeed as deepspeed
-from examples.gpt import shard_batch
+from fsdpx.demo.gpt import shard_batch
 from tests.parity import STEPS, global_batches, make_model
 
 LR = 1e-2

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdpx
 import fsdpx.engine
-from examples.gpt import shard_batch
+from fsdpx.demo.gpt import shard_batch
 from fsdpx.schedulers import build_scheduler
 from fsdpx.zero import stage_plan
 from tests.parity import global_batches, make_model

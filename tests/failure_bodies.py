@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdpx
-from examples.gpt import shard_batch
+from fsdpx.demo.gpt import shard_batch
 from fsdpx.distributed import failure_guard, first_failure, set_process_group_timeouts
 from tests.parity import global_batches, make_model
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdpx
-from examples.gpt import GPT, GPTConfig
+from fsdpx.demo.gpt import GPT, GPTConfig
 
 # Odd sizes on purpose: uneven shards (FSDP2 pads them) and, at 4 ranks, a rank with an
 # empty shard of wpe (block_size 3 rows over 4 ranks).

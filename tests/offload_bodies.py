@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdpx
 import fsdpx.optim
-from examples.gpt import GPT, GPTConfig, shard_batch
+from fsdpx.demo.gpt import GPT, GPTConfig, shard_batch
 from tests.parity import TINY, global_batches
 
 # Wider than tests/parity.py's TINY (same vocabulary and sequence length, so its batches

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fsdpx
-from examples.gpt import GPT, GPTConfig, shard_batch
+from fsdpx.demo.gpt import GPT, GPTConfig, shard_batch
 
 # bias=False: a key-projection bias has an exactly-zero true gradient (softmax ignores a
 # constant shift), so Adam would turn rounding noise into full-size, unreproducible updates.

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import fsdpx
-from examples.gpt import GPT, shard_batch
+from fsdpx.demo.gpt import GPT, shard_batch
 from fsdpx.distributed import init_distributed
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.parallelize import parallelize

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fsdpx
-from examples.gpt import shard_batch
+from fsdpx.demo.gpt import shard_batch
 from tests.parity import LR, global_batches, make_model
 
 E2E_STEPS = 6
@@ -109,3 +109,59 @@ def two_runs_into_one_relay(rank: int, world_size: int, relay: str) -> list[str]
         run_ids.append(run.run_id)
         dist.barrier()
     return run_ids
+
+
+def _train(engine: fsdpx.Engine, rank: int, world_size: int, *, steps: int) -> None:
+    for micro in global_batches(steps, 1):
+        for x, y in micro:
+            loss = engine(shard_batch(x, rank, world_size), shard_batch(y, rank, world_size))
+            engine.backward(loss)
+            engine.step()
+
+
+def save_and_load_with_telemetry(
+    rank: int, world_size: int, relay: str, root: str
+) -> dict[str, Any]:
+    """Two launches with telemetry on into `relay`: one saves synchronously (tag "sync",
+    after 2 steps), trains a step and loads it back; one saves in the background (tag
+    "async", after 2 steps), waits for the commit and loads `latest`. Returns, for the
+    test to check the events against: the global steps after each load, and on rank 0
+    the async checkpoint's MANIFEST mtime (the event must come after the commit)."""
+    import os
+
+    from fsdpx.checkpoint.format import MANIFEST_NAME
+
+    out: dict[str, Any] = {}
+    for mode in ("sync", "async"):
+        cfg = fsdpx.Config.from_dict(
+            {
+                "optimizer": {"type": "adamw", "lr": LR},
+                "checkpoint": {"async_save": mode == "async"},
+                "telemetry": {
+                    "enabled": True,
+                    "relay": relay,
+                    "start_relay": False,
+                    "poll_interval_s": 0.05,
+                    "run_id": f"ckpt-{mode}",
+                },
+            }
+        )
+        engine = fsdpx.shard(make_model(), cfg)
+
+        _train(engine, rank, world_size, steps=2)
+        engine.save_checkpoint(root, tag=mode)
+        if mode == "async":
+            engine.wait_for_checkpoint()
+            if rank == 0:
+                out["async_manifest_mtime"] = os.stat(
+                    os.path.join(root, mode, MANIFEST_NAME)
+                ).st_mtime
+            engine.load_checkpoint(root)  # `latest`: the async one
+        else:
+            _train(engine, rank, world_size, steps=1)
+            engine.load_checkpoint(root, tag=mode)
+        out[f"{mode}_step_after_load"] = engine.global_steps
+        assert engine.telemetry is not None
+        engine.telemetry.close()
+        dist.barrier()
+    return out

@@ -15,10 +15,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from examples.gpt import GPT, GPTConfig
 from fsdpx.activation_checkpoint import _save_matmuls, apply_activation_checkpointing
 from fsdpx.blocks import find_blocks
 from fsdpx.config import ActivationCheckpointConfig
+from fsdpx.demo.gpt import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from examples.gpt import shard_batch
 from fsdpx.config import SchedulerConfig
+from fsdpx.demo.gpt import shard_batch
 from fsdpx.schedulers import build_scheduler
 from tests import engine_bodies
 from tests.dist import run_ranks

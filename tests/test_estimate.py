@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import fsdpx
-from examples.gpt import GPT, GPTConfig
 from fsdpx.cli import main
 from fsdpx.config import Config
+from fsdpx.demo.gpt import GPT, GPTConfig
 from fsdpx.estimate import (
     deepspeed_formulas,
     estimate_memory,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fsdpx
-from examples.gpt import GPT, GPTConfig
+from fsdpx.demo.gpt import GPT, GPTConfig
 from fsdpx.export import INDEX_FILE, SINGLE_FILE, save_full_model
 from tests.dist import run_ranks
 

@@ -1,4 +1,4 @@
-"""The example GPT model and its data helpers (examples/gpt.py), single process on CPU."""
+"""The example GPT model and its data helpers (fsdpx/demo/gpt.py), single process on CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from itertools import islice
 import pytest
 import torch
 
-from examples.gpt import GPT, Block, GPTConfig, batches, generate, shard_batch, stdlib_corpus
+from fsdpx.demo.gpt import GPT, Block, GPTConfig, batches, generate, shard_batch, stdlib_corpus
 
 SMALL = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=32)
 

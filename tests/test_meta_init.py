@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fsdpx
-from examples.gpt import GPT, GPTConfig
+from fsdpx.demo.gpt import GPT, GPTConfig
 from fsdpx.materialize import materialize_
 from tests.dist import run_ranks
 from tests.meta_bodies import (

@@ -285,3 +285,34 @@ def test_monitor_does_not_import_the_training_runtime() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+WIRE_MODULES = ("protocol", "validate", "transport", "runs", "history", "logfile", "relay")
+
+
+def test_the_monitor_and_the_wire_package_import_only_the_wire() -> None:
+    """[Note: the wire package is torch-free]: every wire module, every monitor module
+    (the demo included) and the relay's command line (`python -m fsdpx.telemetry.relay`,
+    run to its --help) load no torch and nothing of fsdpx outside the wire package."""
+    code = "\n".join(
+        [
+            "import contextlib, importlib, runpy, sys",
+            *(f"import fsdpx.telemetry.wire.{m}" for m in WIRE_MODULES),
+            "import monitor.app, monitor.cli, monitor.demo, monitor.export, monitor.replay",
+            "sys.argv = ['relay', '--help']",
+            "with contextlib.redirect_stdout(None), contextlib.suppress(SystemExit):",
+            "    runpy.run_module('fsdpx.telemetry.relay', run_name='__main__')",
+            "allowed = {'fsdpx', 'fsdpx.telemetry', 'fsdpx.telemetry.relay'}",
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')",
+            "    or (m.startswith('fsdpx') and m not in allowed",
+            "        and not m.startswith('fsdpx.telemetry.wire')))",
+            "loaded = [m for m in sys.modules if m.startswith('fsdpx.telemetry.wire.')]",
+            "assert len(loaded) == 7, loaded  # the imports above really ran",
+            "sys.exit(f'imported {bad}' if bad else 0)",
+        ]
+    )
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

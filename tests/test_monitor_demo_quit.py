@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpx.telemetry.logfile import iter_log
+from fsdpx.telemetry.wire.logfile import iter_log
 from monitor import demo
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdpx.telemetry.logfile import open_log_writer
-from fsdpx.telemetry.protocol import EVENT_FIELDS, RECORD_FIELDS
+from fsdpx.telemetry.wire.logfile import open_log_writer
+from fsdpx.telemetry.wire.protocol import EVENT_FIELDS, RECORD_FIELDS
 from monitor.cli import main as monitor_main
 from monitor.export import (
     EVENT_COLUMNS,

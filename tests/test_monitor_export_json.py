@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-from fsdpx.telemetry.logfile import open_log_writer
+from fsdpx.telemetry.wire.logfile import open_log_writer
 from monitor.export import export_csv
 
 

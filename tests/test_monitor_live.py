@@ -1,4 +1,4 @@
-"""The monitor against a real relay (fsdpx/telemetry/relay.py) in this process: history for
+"""The monitor against a real relay (fsdpx/telemetry/wire/relay.py) in this process: history for
 a late monitor, live records after it, the shared-secret handshake, and the app itself."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.transport import connect
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.transport import connect
 from monitor.app import MonitorApp
 from monitor.receiver import Batch, RelayClient
 from monitor.synthetic import SyntheticRun

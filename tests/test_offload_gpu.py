@@ -7,7 +7,6 @@ Run with `pytest -m gpu tests/test_offload_gpu.py` on a machine with a GPU.
 from __future__ import annotations
 
 import gc
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,10 @@ from torch.distributed.tensor import DTensor
 
 pytestmark = pytest.mark.gpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
 
 def _engine(offload: dict[str, Any], dtype: str = "fp32", optimizer: Any = None) -> Any:
-    from gpt import GPT, GPTConfig  # type: ignore[import-not-found]
-
     import fsdpx
+    from fsdpx.demo.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256))

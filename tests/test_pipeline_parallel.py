@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from examples.gpt import GPT, GPTConfig
 from fsdpx.config import PIPELINE_SCHEDULES, Config, PipelineConfig
+from fsdpx.demo.gpt import GPT, GPTConfig
 from fsdpx.pipeline_parallel import check_schedule
 from fsdpx.pipeline_split import merged_view, model_units, plan_stages, prune_to_stage, stage_ids
 from tests import pp_bodies as pb

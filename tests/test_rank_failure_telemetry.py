@@ -14,8 +14,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from fsdpx.telemetry.logfile import iter_log
-from fsdpx.telemetry.relay import Relay
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.relay import Relay
 from monitor.model import Flag, MonitorModel, RankStatus
 from tests import failure_bodies
 from tests.dist import spawn_ranks

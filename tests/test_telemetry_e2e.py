@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fsdpx.telemetry.logfile import iter_log
-from fsdpx.telemetry.protocol import RECORD_FIELDS
-from fsdpx.telemetry.relay import Relay
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.protocol import RECORD_FIELDS
+from fsdpx.telemetry.wire.relay import Relay
 from tests import telemetry_bodies
 from tests.dist import run_ranks
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdpx.telemetry.logfile import iter_log, open_log_writer
-from fsdpx.telemetry.protocol import (
+from fsdpx.telemetry.wire.logfile import iter_log, open_log_writer
+from fsdpx.telemetry.wire.protocol import (
     MAX_FRAME_BYTES,
     RECORD_FIELDS,
     FrameAuth,
@@ -27,9 +27,9 @@ from fsdpx.telemetry.protocol import (
     make_challenge,
     make_hello,
 )
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.transport import connect, parse_address
-from fsdpx.telemetry.validate import validate_message
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.transport import connect, parse_address
+from fsdpx.telemetry.wire.validate import validate_message
 
 scalars = (
     st.none()

@@ -21,18 +21,18 @@ from torch import nn
 from fsdpx.config import TelemetryConfig
 from fsdpx.engine import StepResult
 from fsdpx.errors import RankFailureError
-from fsdpx.telemetry.logfile import iter_log
 from fsdpx.telemetry.probes import NvmlProbe, host_rss
-from fsdpx.telemetry.protocol import (
+from fsdpx.telemetry.publisher import Publisher
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.protocol import (
     FrameDecoder,
     accept_hello,
     encode_frame,
     make_challenge,
     make_welcome,
 )
-from fsdpx.telemetry.publisher import Publisher
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.transport import connect
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.transport import connect
 
 FAST = TelemetryConfig(enabled=True, start_relay=False, poll_interval_s=0.02, send_timeout_s=0.2)
 

@@ -15,9 +15,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from fsdpx.telemetry.history import History
-from fsdpx.telemetry.logfile import iter_log
-from fsdpx.telemetry.protocol import (
+from fsdpx.telemetry.wire.history import History
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.protocol import (
     MAX_FRAME_BYTES,
     RECORD_FIELDS,
     FrameDecoder,
@@ -26,8 +26,8 @@ from fsdpx.telemetry.protocol import (
     encode_frame,
     make_hello,
 )
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.transport import Connection, connect, open_socket
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.transport import Connection, connect, open_socket
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdpx.telemetry.logfile import open_log_writer
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.relay import main as relay_main
+from fsdpx.telemetry.wire.logfile import open_log_writer
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.relay import main as relay_main
 
 
 def test_relay_log_is_created_owner_only(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Runs are kept apart (fsdpx/telemetry/runs.py [Note: run identity]): two launches into
+"""Runs are kept apart (fsdpx/telemetry/wire/runs.py [Note: run identity]): two launches into
 one relay log export as two runs with all their rows, every rank of a launch shares its
 run id, the relay's history and the monitor's state never mix runs, old logs still read."""
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from fsdpx.telemetry.history import History
-from fsdpx.telemetry.logfile import iter_log, open_log_writer
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.runs import RunIdentity, default_job, new_run_id
-from fsdpx.telemetry.transport import connect
+from fsdpx.telemetry.wire.history import History
+from fsdpx.telemetry.wire.logfile import iter_log, open_log_writer
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.runs import RunIdentity, default_job, new_run_id
+from fsdpx.telemetry.wire.transport import connect
 from monitor.cli import main as monitor_main
 from monitor.export import export_csv
 from monitor.runs import RunBook

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpx.telemetry.protocol import (
+from fsdpx.telemetry.wire.protocol import (
     AuthError,
     FrameAuth,
     FrameDecoder,
@@ -22,8 +22,8 @@ from fsdpx.telemetry.protocol import (
     make_hello,
     make_welcome,
 )
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.transport import default_address, open_socket
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.transport import default_address, open_socket
 
 SECRET = b"correct horse battery staple"
 
@@ -94,7 +94,7 @@ def test_public_bind_with_secret_is_allowed() -> None:
 
 
 def test_right_secret_connects_and_frames_arrive(secure_relay: Relay) -> None:
-    from fsdpx.telemetry.transport import connect
+    from fsdpx.telemetry.wire.transport import connect
 
     rank = connect(secure_relay.address, role="rank", secret=SECRET, timeout_s=5, rank=0, host="h")
     rank.send({"type": "records", "records": [{"rank": 0, "host": "h", "step": 1}]})
@@ -108,7 +108,7 @@ def test_right_secret_connects_and_frames_arrive(secure_relay: Relay) -> None:
 
 
 def test_missing_or_wrong_secret_is_refused(secure_relay: Relay) -> None:
-    from fsdpx.telemetry.transport import connect
+    from fsdpx.telemetry.wire.transport import connect
 
     with pytest.raises(AuthError, match="requires a shared secret and none was given"):
         connect(secure_relay.address, role="monitor", secret=None, timeout_s=5)
@@ -187,7 +187,7 @@ def test_relay_cli_refuses_public_bind_and_serves_loopback(tmp_path: Path) -> No
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "FSDPX_TELEMETRY_SECRET"}
-    cmd = [sys.executable, "-m", "fsdpx.telemetry.relay"]
+    cmd = [sys.executable, "-m", "fsdpx.telemetry.wire.relay"]
     refused = subprocess.run(
         [*cmd, "--listen", "0.0.0.0:0"], capture_output=True, text=True, env=env, timeout=60
     )
@@ -204,7 +204,7 @@ def test_relay_cli_refuses_public_bind_and_serves_loopback(tmp_path: Path) -> No
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == f"fsdpx relay listening on unix:{sock_path}"
-        from fsdpx.telemetry.transport import connect
+        from fsdpx.telemetry.wire.transport import connect
 
         conn = connect(str(sock_path), role="rank", secret=None, timeout_s=10, rank=0, host="h")
         conn.send({"type": "records", "records": [{"rank": 0, "host": "h", "step": 5}]})
@@ -213,7 +213,7 @@ def test_relay_cli_refuses_public_bind_and_serves_loopback(tmp_path: Path) -> No
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
-    from fsdpx.telemetry.logfile import iter_log
+    from fsdpx.telemetry.wire.logfile import iter_log
 
     steps = [r["step"] for m in iter_log(log) if m["type"] == "records" for r in m["records"]]
     assert steps == [5] and not sock_path.exists()
@@ -230,7 +230,7 @@ def test_relay_cli_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "FSDPX_TELEMETRY_SECRET"}
     sock_path = tmp_path / "term.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fsdpx.telemetry.relay", "--listen", str(sock_path)],
+        [sys.executable, "-m", "fsdpx.telemetry.wire.relay", "--listen", str(sock_path)],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

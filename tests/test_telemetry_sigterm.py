@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from fsdpx.config import TelemetryConfig
-from fsdpx.telemetry.logfile import iter_log
 from fsdpx.telemetry.publisher import Publisher
-from fsdpx.telemetry.relay import Relay
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.relay import Relay
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = TelemetryConfig(enabled=True, start_relay=False, poll_interval_s=0.02, send_timeout_s=0.2)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from examples.gpt import GPT, GPTConfig
 from fsdpx.config import Config, TensorParallelConfig
+from fsdpx.demo.gpt import GPT, GPTConfig
 from fsdpx.tensor_parallel import build_plan, check_plan
 from fsdpx.tp_plans import auto_plan, user_plan
 from tests import tp_bodies as tb

@@ -1,5 +1,6 @@
-"""examples/train_gpt.py runs end to end (one process, a few steps, a --config file) and
-leaves an export that loads into the plain model."""
+"""The demo's training (`python -m fsdpx.demo.train`, fsdpx/demo/train.py) runs end to end
+(one process, a few steps, a --config file) and leaves an export that loads into the plain
+model."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.gpt import GPT, GPTConfig
-
-ROOT = Path(__file__).resolve().parent.parent
+from fsdpx.demo.gpt import GPT, GPTConfig
 
 
 def test_train_gpt_smoke(tmp_path: Path) -> None:
@@ -32,9 +31,9 @@ def test_train_gpt_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run(
-        [sys.executable, "examples/train_gpt.py", "--steps", "2", "--config", str(cfg)]
+        [sys.executable, "-m", "fsdpx.demo.train", "--steps", "2", "--config", str(cfg)]
         + ["--out", str(out), "--log-every", "1", "--eval-every", "1", "--sample-tokens", "8"],
-        cwd=ROOT,
+        cwd=tmp_path,  # the module comes from the installed package, not this tree
         env=env,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fsdpx
-from examples.gpt import GPT, GPTConfig, shard_batch
+from fsdpx.demo.gpt import GPT, GPTConfig, shard_batch
 from fsdpx.parallel_dims import ParallelDims
 
 # bias=False: see tests/parity.py (a k-projection bias has an exactly-zero true gradient).

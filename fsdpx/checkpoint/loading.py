@@ -12,6 +12,7 @@ checkpoint (see [Note: pipeline checkpoints] in saving.py).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,6 @@ from checkpoint_tools.format import (
 from checkpoint_tools.format.root import committed, resolve
 from fsdpx.checkpoint import commit
 from fsdpx.checkpoint.state import (
-    local_tensor,
     model_tensors,
     offload_owner,
     offload_view,
@@ -46,6 +46,7 @@ from fsdpx.checkpoint.state import (
     set_rng_state,
     with_masters,
 )
+from fsdpx.dtensor import to_local
 
 _REBUILDABLE: dict[str, type[Exception]] = {
     c.__name__: c
@@ -72,6 +73,9 @@ class LoadResult:
     """The client_state given to save (rank 0's)."""
     engine_state: dict[str, int] = field(default_factory=dict)
     """Step counters given to save ({} with load_module_only)."""
+    bytes: int = 0
+    """The checkpoint's size on disk: the data and index files of every rank (what the
+    engine's `checkpoint_loaded` telemetry event reports, [Note: checkpoint events])."""
 
 
 def older_that_verifies(path: Path) -> str:
@@ -103,7 +107,7 @@ class _Loader:
 
     def read_into(self, name: str, target: torch.Tensor) -> None:
         shape, offsets = rectangle(target)
-        local = local_tensor(target)
+        local = to_local(target).detach()
         if local.numel() == 0:
             return
         data = self.reader.read(name, offsets, shape)
@@ -211,7 +215,7 @@ class _Loader:
             )
         full = self.reader.read(name)
         # torch keeps a scalar `step` on the CPU unless the optimizer is fused/capturable.
-        device = local_tensor(p).device if (full.dim() > 0 or on_device) else torch.device("cpu")
+        device = to_local(p).device if (full.dim() > 0 or on_device) else torch.device("cpu")
         return full.to(device)
 
 
@@ -345,6 +349,8 @@ def load(
         after_load = getattr(owner, "after_load", None)
         if after_load is not None:
             after_load()
+        stored = sum(rf.data_size + rf.index_size for rf in reader.rank_files)
+        result = dataclasses.replace(result, bytes=stored)
     except Exception as exc:
         error = exc
         message = str(exc)

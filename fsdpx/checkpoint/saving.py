@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import shutil
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +54,7 @@ from fsdpx.config import Config
 from fsdpx.distributed import failure_guard
 
 STATE_VERSION = 1
+log = logging.getLogger("fsdpx.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,27 @@ class SaveOptions:
     threads: int = 1
     """Threads that shuffle, compress and checksum chunks in parallel; the files are
     byte-identical for any count."""
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed save, as `Checkpointer.save`'s `on_commit` hears of it (on rank 0).
+
+    [Note: checkpoint events] The engine turns it into the telemetry event
+    `checkpoint_saved`. Only rank 0 hears of it: it writes the MANIFEST and commits, so it
+    alone knows that the checkpoint exists and its size, and one event per save (not one
+    per rank) is what a monitor should show. An asynchronous save is reported when its
+    background commit finishes, from the writer thread.
+    """
+
+    path: Path
+    tag: str
+    bytes: int
+    """Size on disk: the data and index files of every rank."""
+    duration_s: float
+    """From the save call to the commit (asynchronous: the background write included)."""
+    background: bool
+    """Whether it was written in the background (checkpoint.async_save)."""
 
 
 @dataclass
@@ -152,9 +177,11 @@ def _write_and_commit(
     plan: _Plan | BaseException,
     options: SaveOptions,
     group: dist.ProcessGroup | None,
+    on_commit: Callable[[Path, int], None] | None = None,
 ) -> Path:
     """Steps 1-3 of [Note: atomic commit]; every rank calls it, with its plan or the error
-    that kept it from making one (so peers vote instead of waiting)."""
+    that kept it from making one (so peers vote instead of waiting). Rank 0 then calls
+    `on_commit(path, bytes on disk)` ([Note: checkpoint events])."""
     rank, size = commit.world(group)
     nonce = commit.broadcast_obj(commit.new_nonce() if rank == 0 else None, group)
     error: BaseException | None = plan if isinstance(plan, BaseException) else None
@@ -206,6 +233,10 @@ def _write_and_commit(
         raise commit_error
     if outcome is not None:
         raise CheckpointError(f"rank 0 failed to commit checkpoint {str(final)!r}: {outcome}")
+    if on_commit is not None and rank == 0:
+        on_commit(
+            final, sum(rep["info"]["data_size"] + rep["info"]["index_size"] for rep in reports)
+        )
     return final
 
 
@@ -361,10 +392,15 @@ class Checkpointer:
         save_latest: bool = True,
         plain_writer: bool | None = None,
         partial: bool = False,
+        on_commit: Callable[[Committed], None] | None = None,
     ) -> Path:
         """Like `save()`. With async_save, returns once the state is copied to host memory;
-        the checkpoint appears at the returned path when the background write commits."""
+        the checkpoint appears at the returned path when the background write commits.
+        `on_commit` is called on rank 0 once the checkpoint is committed (from the writer
+        thread for a background save; [Note: checkpoint events]); an error it raises is
+        logged, never raised: the checkpoint is committed by then."""
         self.wait()
+        started = time.perf_counter()
         group = self.group()
         rank, _ = commit.world(group)
         options = dataclasses.replace(self.options, save_latest=save_latest)
@@ -372,6 +408,16 @@ class Checkpointer:
         # from the swap file), so the pieces are written or snapshotted before it closes.
         owner = offload_owner(model, optimizer)
         write_now = not self.async_save or _swapped_to_nvme(owner)
+
+        def committed(path: Path, nbytes: int) -> None:
+            if on_commit is None:
+                return
+            took = time.perf_counter() - started
+            try:
+                on_commit(Committed(path, path.name, nbytes, took, background=not write_now))
+            except Exception:
+                log.exception("checkpoint %s is committed, but reporting it failed", path)
+
         with offload_view(owner) as masters:
             try:
                 plan = _plan(
@@ -393,12 +439,12 @@ class Checkpointer:
                 # Vote in the foreground so every rank fails now, not at the next wait.
                 return _write_and_commit(exc, options, group)
             if write_now:
-                return _write_and_commit(plan, options, group)
+                return _write_and_commit(plan, options, group, committed)
             plan.pieces = snapshot(plan.pieces, self._staging)
 
         def job() -> Path:
             with failure_guard():
-                return _write_and_commit(plan, options, group)
+                return _write_and_commit(plan, options, group, committed)
 
         self._writer.submit(job)
         return plan.root / plan.tag

@@ -38,6 +38,7 @@ except ImportError:  # torch < 2.13 (e.g. a GPU image's older torch): no FSDP-ov
     _StridedShardOffsetMode = None  # type: ignore[assignment,misc]
 
 from checkpoint_tools.format import MODEL_PREFIX, optim_name
+from fsdpx.dtensor import to_local
 
 _MSGPACK_INT = (-(2**63), 2**64 - 1)
 
@@ -123,15 +124,11 @@ def writes_piece(t: torch.Tensor, rank: int, plain_writer: bool | None = None) -
     return all(c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate))
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
-
-
 def _piece(name: str, t: torch.Tensor, rank: int, plain_writer: bool | None) -> Piece | None:
     if not writes_piece(t, rank, plain_writer):
         return None
     shape, offsets = rectangle(t)
-    local = local_tensor(t)
+    local = to_local(t).detach()
     assert tuple(local.shape) == shape, f"{name}: {local.shape=} but placement says {shape}"
     if local.numel() == 0 and t.numel() != 0:
         return None  # an empty shard of a non-empty tensor carries nothing

@@ -40,7 +40,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdpx.checkpoint.state import OFFLOAD_OWNER
 from fsdpx.config import OffloadConfig
-from fsdpx.offload.grad_stream import GradStreamer, local
+from fsdpx.dtensor import to_local as local
+from fsdpx.offload.grad_stream import GradStreamer
 from fsdpx.offload.pin import host_pin
 from fsdpx.ops import adam_step
 from fsdpx.optim import adamw_defaults

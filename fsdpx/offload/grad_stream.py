@@ -21,12 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from fsdpx.dtensor import to_local
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -166,7 +163,7 @@ class GradStreamer:
         for p in params:
             if p.grad is None:
                 continue
-            self._copy_fn(p, local(p.grad), stream)
+            self._copy_fn(p, to_local(p.grad), stream)
             self.copied.add(id(p))
 
 

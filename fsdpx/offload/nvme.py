@@ -42,12 +42,12 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import torch
 from torch import Tensor
 
+from fsdpx.errors import NvmeOffloadError, NvmeOffloadIOError
 from fsdpx.ops.aio import (
     DIRECT_IO_ALIGNMENT,
     AioError,
@@ -72,37 +72,6 @@ FORMAT_VERSION = 1
 _QUANTUM = DIRECT_IO_ALIGNMENT // 4  # fp32 elements per O_DIRECT block
 _MAX_SIDECAR_BYTES = 4096
 _FP32 = 4
-
-
-class NvmeOffloadError(ValueError):
-    """``nvme_path`` is unusable: missing, not a directory, not writable, too little free
-    space, or its swap file is in use by another process or engine."""
-
-
-class NvmeOffloadIOError(OSError):
-    """A read or write of the swap file failed (disk full, I/O error...).
-
-    ``filename``, ``offset`` (bytes) and ``errno`` say where and why.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        errno_: int | None = None,
-        filename: str | None = None,
-        offset: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.errno = errno_
-        self.filename = filename
-        self.offset = offset
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # OSError's own reduce rebuilds from (errno, strerror, filename); keep our fields.
-        return (type(self), (self.args[0], self.errno, self.filename, self.offset))
 
 
 def _human(nbytes: int) -> str:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fsdpx.dtensor import to_local as local
 from fsdpx.offload.cpu import wrap_like
-from fsdpx.offload.grad_stream import local
 from fsdpx.offload.nvme import BufferSet, NvmeStore
 from fsdpx.ops import adam_step
 

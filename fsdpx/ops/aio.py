@@ -51,6 +51,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from fsdpx.errors import AioError
 from fsdpx.ops._loader import load_ops
 
 __all__ = [
@@ -131,14 +132,6 @@ def page_lock_(t: Tensor) -> Callable[[], None]:
             cudart.cudaHostUnregister(ptr)
 
     return unlock
-
-
-class AioError(OSError):
-    """An asynchronous read or write failed; ``errno`` and ``filename`` are set when known."""
-
-    def __str__(self) -> str:
-        # OSError would print "[Errno N] strerror: filename"; the message already says more.
-        return str(self.args[0])
 
 
 def _error(errno_: int | None, message: str, path: str) -> AioError:

@@ -38,6 +38,12 @@ holds (``qmax`` = 127 or 448; ``2**-149`` is the smallest subnormal float32).
 Gloo has no float8 collectives: send fp8 payloads as ``q.view(torch.uint8)`` and view them
 back with ``.view(torch.float8_e4m3fn)`` (a free reinterpretation, no copy).
 
+Callers: none yet. These kernels are for ZeRO++'s quantized weights and gradients (qwZ /
+qgZ, ``zero.quantized_weights`` / ``zero.quantized_gradients``), which arrive with the
+quantized-collectives issue and will call them from FSDP2's all-gather / reduce-scatter
+extension points. Until then only the tests and ``benchmarks/ops_aio.py`` use this module,
+and the DeepSpeed config translation refuses ``zero_quantized_*`` (``fsdpx/deepspeed/_keys.py``).
+
 Example:
     >>> x = torch.randn(10_000)
     >>> q, scales = quantize_int8(x, block_size=2048)

@@ -26,11 +26,12 @@ closed, and no sender can know that. A send failure can therefore lose only even
 (a records batch that fit in the socket buffer, then an events frame that did not);
 `send_failures > 0` does not imply `dropped > 0`.
 
-Checkpoint code reports saves and loads with::
+The engine reports its checkpoint saves and loads through
+fsdpx/telemetry/checkpoint_events.py ([Note: checkpoint events] in
+fsdpx/checkpoint/saving.py), which calls, on rank 0::
 
-    if engine.telemetry is not None:
-        engine.telemetry.event("checkpoint_saved", step=engine.global_steps,
-                               detail={"path": str(path), "bytes": n, "duration_s": dt})
+    publisher.event("checkpoint_saved", step=step, detail={"path": ..., "tag": ...,
+                    "bytes": n, "duration_s": dt, "async": background})
 """
 
 from __future__ import annotations
@@ -55,11 +56,17 @@ from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
-from fsdpx.telemetry.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
-from fsdpx.telemetry.relay import Relay
-from fsdpx.telemetry.runs import RunIdentity
 from fsdpx.telemetry.sigterm import SigtermHook
-from fsdpx.telemetry.transport import Connection, connect, open_socket, parse_address, read_secret
+from fsdpx.telemetry.wire.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
+from fsdpx.telemetry.wire.relay import Relay
+from fsdpx.telemetry.wire.runs import RunIdentity
+from fsdpx.telemetry.wire.transport import (
+    Connection,
+    connect,
+    open_socket,
+    parse_address,
+    read_secret,
+)
 
 log = logging.getLogger("fsdpx.telemetry")
 _BATCH = 512  # records per frame: ~200 KB, well under MAX_FRAME_BYTES
@@ -124,7 +131,7 @@ class Publisher:
         total_steps: the run's length, sent in the start event (the monitor's ETA).
         run: this launch's run id and job, the same on every rank (start.py agrees on
             them); None: from the config, a fresh run id when it names none (right for
-            a one-process job only). See fsdpx/telemetry/runs.py [Note: run identity].
+            a one-process job only). See fsdpx/telemetry/wire/runs.py [Note: run identity].
 
     Example::
 

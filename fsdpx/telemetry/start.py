@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpx.config import Config, TelemetryConfig
-from fsdpx.telemetry.runs import RunIdentity
+from fsdpx.telemetry.wire.runs import RunIdentity
 
 if TYPE_CHECKING:
     from fsdpx.distributed import DistInfo
@@ -54,7 +54,7 @@ def start_telemetry(
 
 
 def agree_run(cfg: TelemetryConfig, info: DistInfo) -> RunIdentity:
-    """This launch's run id and job, the same on every rank (fsdpx/telemetry/runs.py).
+    """This launch's run id and job, the same on every rank (fsdpx/telemetry/wire/runs.py).
 
     Global rank 0 resolves them (a fresh run id unless `telemetry.run_id` is set) and
     broadcasts them: one small collective at start, so ranks agree without relying on

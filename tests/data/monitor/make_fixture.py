@@ -44,7 +44,7 @@ def fixture_messages() -> list[dict]:
 
 
 def write_log(path: Path) -> None:
-    from fsdpx.telemetry.logfile import open_log_writer
+    from fsdpx.telemetry.wire.logfile import open_log_writer
 
     with open_log_writer(path) as log:
         for message in fixture_messages():

@@ -1,12 +1,13 @@
-"""A small byte-level GPT (nanoGPT-like) and a download-free corpus, shared by examples and tests.
+"""A small byte-level GPT (nanoGPT-like) and a download-free corpus, shared by the demo and tests.
 
-The model is plain PyTorch: fsdpx examples shard it with FSDP2 / tensor parallelism, and tests
-compare those runs with this module trained in one process. Data is the Python standard
-library's own source code read as bytes, so nothing is downloaded.
+The model is plain PyTorch: the demo (fsdpx/demo/train.py) and the tests shard it with
+FSDP2 / tensor parallelism, and tests compare those runs with this module trained in one
+process. Data is the Python standard library's own source code read as bytes, so nothing
+is downloaded.
 
-Single-process baseline on CPU (200 training steps, then prints a sample), from the repo root:
+Single-process baseline on CPU (200 training steps, then prints a sample):
 
-    python -m examples.gpt
+    python -m fsdpx.demo.gpt
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ recent past in detail, in bounded memory. Records and events are kept msgpack-en
 An item too large for any history frame is kept as a small stand-in marked `truncated`
 (see [Note: oversized history items]).
 
-Runs are kept apart (a relay can outlive a job: fsdpx/telemetry/runs.py [Note: run
+Runs are kept apart (a relay can outlive a job: fsdpx/telemetry/wire/runs.py [Note: run
 identity]): a rank's records of two runs never share one history, and only the newest
 `max_runs` runs are remembered, so a relay serving job after job stays bounded.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from fsdpx.telemetry.protocol import EVENT_FIELDS, MAX_FRAME_BYTES, RECORD_FIELDS
+from fsdpx.telemetry.wire.protocol import EVENT_FIELDS, MAX_FRAME_BYTES, RECORD_FIELDS
 
 _PACKER_OVERHEAD = 64  # map header, keys, array headers of one history body
 _FRAME_LIMIT = MAX_FRAME_BYTES - 64  # room for a monitor connection's 32-byte HMAC tag

@@ -3,7 +3,7 @@
 
 Layout: one or more zstd frames back to back (each relay session that opens the file
 appends a new one). Decompressed, the content is a sequence of protocol frames
-(fsdpx/telemetry/protocol.py, never authenticated): a "log" header message from each
+(fsdpx/telemetry/wire/protocol.py, never authenticated): a "log" header message from each
 session, then the "hello", "records" and "events" messages in the order the relay
 received them. The writer flushes a zstd block at least every `flush_interval_s`, so a
 relay that crashes loses at most that much; the reader stops quietly at a truncated tail.
@@ -28,7 +28,12 @@ from typing import Any, BinaryIO
 
 import zstandard
 
-from fsdpx.telemetry.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
+from fsdpx.telemetry.wire.protocol import (
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    ProtocolError,
+    encode_frame,
+)
 
 LOG_SUFFIX = ".tlm"
 _READ_CHUNK = 1 << 16

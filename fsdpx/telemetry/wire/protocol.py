@@ -3,7 +3,7 @@
 The same framing is used at every hop (rank -> relay -> monitor) and in the relay's log
 file. This module is stdlib + msgpack only (the monitor imports it; no torch) and does no
 I/O: it turns messages into bytes and bytes into messages, and holds the handshake's
-arithmetic. Sockets live in fsdpx/telemetry/transport.py.
+arithmetic. Sockets live in fsdpx/telemetry/wire/transport.py.
 
 Byte layout of one frame::
 
@@ -83,7 +83,7 @@ RECORD_FIELDS: tuple[str, ...] = (
 """Keys of a per-step record, in this order; every key is present, None where unknown.
 Units: time in Unix seconds, memory and comm_bytes in bytes, device_util in percent
 (0-100), mfu as a fraction (0-1), dropped = records this rank lost so far. `run_id` and
-`job` say which launch and job (fsdpx/telemetry/runs.py); readers treat a record without
+`job` say which launch and job (fsdpx/telemetry/wire/runs.py); readers treat a record without
 them (older publishers) as part of one unnamed run."""
 
 EVENT_KINDS: tuple[str, ...] = (

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpx.telemetry.protocol import (
+from fsdpx.telemetry.wire.protocol import (
     FrameAuth,
     FrameDecoder,
     ProtocolError,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fsdpx.telemetry.protocol import ProtocolError
+from fsdpx.telemetry.wire.protocol import ProtocolError
 
 _NONCE_BYTES = 32
 
