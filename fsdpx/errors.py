@@ -32,7 +32,7 @@ imports nothing from fsdpx and nothing heavy. The errors fsdpx owns are defined 
 (`fsdpx.offload.nvme` and `fsdpx.ops.aio` import theirs from this module). Two families
 keep their home and are re-exported on first use (PEP 562): the checkpoint errors live in
 `checkpoint_tools.format.errors`, because checkpoint_tools never imports fsdpx (and
-importing it loads torch), and the telemetry wire errors in `fsdpx.telemetry.protocol`,
+importing it loads torch), and the telemetry wire errors in `fsdpx.telemetry.wire.protocol`,
 because the torch-free monitor imports only the wire modules. The classes are the same
 objects under every name, so `except fsdpx.CheckpointError` catches what
 `checkpoint_tools` raises.
@@ -45,14 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 # Defined elsewhere (see [Note: one error tree]): name -> module that defines it.
 _ELSEWHERE = {
-    "AuthError": "fsdpx.telemetry.protocol",
+    "AuthError": "fsdpx.telemetry.wire.protocol",
     "CheckpointCorruptError": "checkpoint_tools.format.errors",
     "CheckpointError": "checkpoint_tools.format.errors",
     "CheckpointFormatError": "checkpoint_tools.format.errors",
     "CheckpointNotFoundError": "checkpoint_tools.format.errors",
     "CheckpointVersionError": "checkpoint_tools.format.errors",
     "DeepSpeedCheckpointError": "checkpoint_tools.format.errors",
-    "ProtocolError": "fsdpx.telemetry.protocol",
+    "ProtocolError": "fsdpx.telemetry.wire.protocol",
 }
 
 # Defined below, and the re-exported ones.
@@ -72,8 +72,8 @@ if TYPE_CHECKING:  # the same classes for type checkers (`X as X`: an explicit r
     from checkpoint_tools.format.errors import (
         DeepSpeedCheckpointError as DeepSpeedCheckpointError,
     )
-    from fsdpx.telemetry.protocol import AuthError as AuthError
-    from fsdpx.telemetry.protocol import ProtocolError as ProtocolError
+    from fsdpx.telemetry.wire.protocol import AuthError as AuthError
+    from fsdpx.telemetry.wire.protocol import ProtocolError as ProtocolError
 
 
 def __getattr__(name: str) -> Any:

@@ -71,7 +71,7 @@ def test_unknown_name_is_an_attribute_error() -> None:
 def test_import_errors_loads_no_torch() -> None:
     code = (
         "import sys, fsdpx.errors; "
-        "print([m for m in ('torch', 'checkpoint_tools', 'fsdpx.telemetry.protocol') "
+        "print([m for m in ('torch', 'checkpoint_tools', 'fsdpx.telemetry.wire.protocol') "
         "if m in sys.modules])"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
