@@ -102,6 +102,11 @@ class Engine:
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         # ZeRO-Offload (fsdpx/offload): its step takes the unscale/clip factor.
         self._offloaded = optimizer if isinstance(optimizer, OffloadedAdamW) else None
+        # Set by fsdpx.deepspeed's engine (set_gradient_accumulation_boundary, no_sync):
+        # a caller-owned boundary, and gradients kept local while `_no_sync` holds.
+        self._boundary_override: bool | None = None
+        self._no_sync = False
+        self._sync_changed = False
 
     # --- forward / backward / step ----------------------------------------------------
 
@@ -114,11 +119,22 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the coming backward/step is the last micro-step of an optimizer step."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     @guarded
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        divide_by_accumulation: bool = True,
+        retain_graph: bool = False,
+    ) -> torch.Tensor:
         """Backward of loss / gradient_accumulation_steps (times the fp16 loss scale).
+
+        divide_by_accumulation=False skips the division (the loss is already a share of the
+        step's); retain_graph as in `Tensor.backward`.
 
         Returns `loss` as given (no loss scale, no division); DeepSpeed instead returns
         `loss.float() / gradient_accumulation_steps` when accumulating.
@@ -128,19 +144,20 @@ class Engine:
                 "engine.backward is not available under pipeline parallelism (mesh.pp > 1): "
                 "the schedule interleaves forward and backward; use engine.train_batch"
             )
-        if self.config.gradient_accumulation_steps > 1:
+        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        if self.config.gradient_accumulation_steps > 1 or self._no_sync or self._sync_changed:
             # With one micro-step every backward is a boundary and FSDP's defaults (sync,
-            # reshard) already hold; setting them walks every module on each step.
-            prepare_micro_step(
-                self._fsdp_root,
-                self.config.zero,
-                is_boundary=self.is_gradient_accumulation_boundary(),
-            )
+            # reshard) already hold; setting them walks every module on each step. After a
+            # no_sync backward they are set back once.
+            prepare_micro_step(self._fsdp_root, self.config.zero, is_boundary=boundary)
+            self._sync_changed = not boundary
         if self._offloaded is not None:
-            self._offloaded.prepare_backward(self.is_gradient_accumulation_boundary())
-        factor = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+            self._offloaded.prepare_backward(boundary)
+        factor = self.loss_scaler.scale
+        if divide_by_accumulation:
+            factor /= self.config.gradient_accumulation_steps
         with loss_context(self._loss_parallel):
-            (loss * factor if factor != 1.0 else loss).backward()
+            (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         if self.telemetry is not None:
             self.telemetry.observe_loss(loss)
         return loss

@@ -23,6 +23,6 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && .venv/bin/python -c "imp
 fi
 # shellcheck disable=SC2086  # TORCH_PIP_ARGS is a list of arguments
 .venv/bin/pip install --quiet "$TORCH_SPEC" ${TORCH_PIP_ARGS:-}
-.venv/bin/pip install --quiet -e '.[dev,monitor]'
+.venv/bin/pip install --quiet -e '.[dev,monitor,hf]'
 printf '%s' "$want" > "$stamp"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -395,7 +395,7 @@ def test_summary_line_is_logged_once_and_pinned(caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.INFO, logger="fsdpx"):
         Config.from_deepspeed(path, world_size=2)
     lines = [r for r in caplog.records if r.name == "fsdpx"]
-    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
     assert lines[0].getMessage() == (
         f"DeepSpeed config {path} -> fsdpx Config (world size 2): mapped 7: "
         "train_micro_batch_size_per_gpu, gradient_accumulation_steps, zero_optimization.stage, "
@@ -415,14 +415,19 @@ def test_summary_reports_auto_and_written_defaults() -> None:
     assert "DeepSpeed defaults written out: zero_optimization.stage, optimizer" in tr.summary
 
 
-def test_summary_is_info_when_nothing_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+def test_summary_is_info_on_rank_0_only(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = {
         "train_batch_size": 2,
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
     }
     with caplog.at_level(logging.INFO, logger="fsdpx"):
-        Config.from_deepspeed(data, world_size=1)
+        monkeypatch.setenv("RANK", "1")
+        Config.from_deepspeed(data, world_size=2)
+        monkeypatch.setenv("RANK", "0")
+        Config.from_deepspeed(data, world_size=2)
     assert [r.levelno for r in caplog.records if r.name == "fsdpx"] == [logging.INFO]
 
 

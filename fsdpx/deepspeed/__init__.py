@@ -1,9 +1,12 @@
 """fsdpx.deepspeed: the home of DeepSpeed compatibility.
 
 A DeepSpeed script will import this package as ``import fsdpx.deepspeed as deepspeed``, so
-its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). None is
-provided yet: ``initialize`` and the rest come with their own issue and are absent until
-then, not stubbed.
+its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). Provided
+so far: ``initialize``, ``add_config_arguments``, ``init_distributed``,
+``DeepSpeedEngine``, ``get_accelerator`` and the submodules ``comm``, ``accelerator``,
+``utils``, ``checkpointing``, ``ops`` (``ops.adam``), ``runtime`` (``runtime.utils``,
+``runtime.dataloader``, ``runtime.lr_schedules``), ``zero`` (``zero.Init``). DeepSpeed names not
+listed here are absent, not stubbed (README, "Porting from DeepSpeed").
 
 The DeepSpeed *config* translation lives here under private names, imported directly by
 its callers (``Config.from_deepspeed``, ``fsdpx config explain``):
@@ -12,6 +15,14 @@ its callers (``Config.from_deepspeed``, ``fsdpx config explain``):
     _keys.py      the key table: every DeepSpeed key mapped, ignored or refused
     _config.py    translates a ds_config dict into fsdpx.Config through that table
     _explain.py   prints the translation table (``fsdpx config explain``)
+
+and the engine under private names too:
+
+    _initialize.py  initialize, add_config_arguments, init_distributed
+    _engine.py      DeepSpeedEngine, the adapter over the native Engine
+    _params.py      parameter groups / optimizer instances carried across sharding
+    _data.py        the DataLoader built from training_data; RepeatingLoader
+    _save16.py      save_16bit_model
 
 [Note: lazy deepspeed package] ``_config`` imports ``fsdpx.config``, and
 ``fsdpx.config`` imports ``_config`` inside ``Config.from_deepspeed``. If this file
@@ -25,8 +36,21 @@ form a cycle through ``fsdpx.config``. Public names are therefore resolved on fi
 import importlib as _importlib
 from typing import Any as _Any
 
-# public name (a DeepSpeed name) -> module that defines it; filled by the issue that adds them
-_EXPORTS: dict[str, str] = {}
+# public name (a DeepSpeed name) -> module that defines it (a submodule is itself the value)
+_EXPORTS: dict[str, str] = {
+    "DeepSpeedEngine": "fsdpx.deepspeed._engine",
+    "accelerator": "fsdpx.deepspeed.accelerator",
+    "add_config_arguments": "fsdpx.deepspeed._initialize",
+    "checkpointing": "fsdpx.deepspeed.checkpointing",
+    "comm": "fsdpx.deepspeed.comm",
+    "get_accelerator": "fsdpx.deepspeed.accelerator",
+    "init_distributed": "fsdpx.deepspeed._initialize",
+    "initialize": "fsdpx.deepspeed._initialize",
+    "ops": "fsdpx.deepspeed.ops",
+    "runtime": "fsdpx.deepspeed.runtime",
+    "utils": "fsdpx.deepspeed.utils",
+    "zero": "fsdpx.deepspeed.zero",
+}
 
 __all__ = sorted(_EXPORTS)
 
@@ -35,7 +59,8 @@ def __getattr__(name: str) -> _Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fsdpx.deepspeed' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
+    loaded = _importlib.import_module(module)
+    value = loaded if module == f"{__name__}.{name}" else getattr(loaded, name)
     globals()[name] = value  # later lookups skip this function
     return value
 

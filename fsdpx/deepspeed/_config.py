@@ -561,11 +561,12 @@ def translate(
 def from_deepspeed(
     source: str | Path | Mapping[str, Any], *, world_size: int | None = None
 ) -> Config:
-    """Config.from_deepspeed: translate and log the summary line once on logger "fsdpx"
-    (WARNING when something was ignored or filled in, else INFO)."""
+    """Config.from_deepspeed: translate and log the summary line at INFO on logger "fsdpx",
+    once per job: on rank 0 only (the launcher's RANK; every rank translates the same
+    file), as DeepSpeed prints its config once."""
     tr = translate(source, world_size=world_size)
-    loud = any(r.status == "ignored" or r.value == ABSENT for r in tr.rows)
-    logger.log(logging.WARNING if loud else logging.INFO, "%s", tr.summary)
+    if os.environ.get("RANK", "0") == "0":
+        logger.info("%s", tr.summary)
     return tr.config
 
 

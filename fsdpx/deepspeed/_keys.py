@@ -140,13 +140,14 @@ def _table() -> dict[str, KeyRule]:
         ),
         "disable_allgather": _ignored("legacy stage-1 switch; FSDP2 always all-gathers", INTERNAL),
         "steps_per_print": _ignored(
-            "fsdpx prints no progress itself: per-step loss, lr and throughput go to the "
-            "telemetry records (telemetry.enabled) and to your own loop",
+            "fsdpx.deepspeed.initialize's engine prints DeepSpeed's progress line (step, "
+            "loss, lr, samples/s) on rank 0 every N steps; the native fsdpx.shard engine "
+            "prints none (per-step values go to the telemetry records)",
             LOGGING,
         ),
         "wall_clock_breakdown": _ignored(
-            "per-phase timers; step times are in the telemetry records, use torch.profiler "
-            "for a breakdown",
+            "fsdpx.deepspeed.initialize's engine prints forward/backward/step times with "
+            "the progress line; the native engine's step times are in the telemetry records",
             LOGGING,
         ),
         "memory_breakdown": _ignored(
@@ -163,8 +164,8 @@ def _table() -> dict[str, KeyRule]:
             NOT_APPLICABLE,
         ),
         "dataloader_drop_last": _ignored(
-            "applies to the data loader DeepSpeed builds from training_data; fsdpx builds "
-            "none: set drop_last on yours",
+            "applies to the data loader built from training_data, which "
+            "fsdpx.deepspeed.initialize honours; the native fsdpx.shard builds no loader",
             NOT_APPLICABLE,
         ),
         "autotuning": _ignored("settings of DeepSpeed's autotuning launcher", NOT_APPLICABLE),

@@ -1,0 +1,1 @@
+"""`deepspeed.ops`: the optimizer classes DeepSpeed scripts import (`ops.adam`)."""

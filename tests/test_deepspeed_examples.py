@@ -1,0 +1,137 @@
+"""The DeepSpeed-style scripts in examples/deepspeed/, run as a user runs them (torchrun,
+one changed import), against a single-process reference. Slow: each launches torchrun;
+tests/test_deepspeed_engine.py is their default-tier twin."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "deepspeed"
+
+
+def _launch(script: str, nproc: int, *args: str) -> str:
+    """Run an example as a user would; returns its output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if nproc == 1:
+        cmd = [sys.executable, str(EXAMPLES / script), *args]
+    else:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [
+            str(torchrun),
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(EXAMPLES / script),
+            *args,
+        ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path / "pytorch_model.bin", weights_only=True)
+
+
+@pytest.mark.slow
+def test_cifar_style_one_and_two_ranks_train_the_same_model(tmp_path: Path) -> None:
+    config = str(EXAMPLES / "cifar_ds_config.json")
+    out1 = _launch("cifar_style.py", 1, "--deepspeed_config", config, "--out", str(tmp_path / "1"))
+    out2 = _launch(
+        "cifar_style.py",
+        2,
+        "--deepspeed",
+        "--deepspeed_config",
+        config,
+        "--out",
+        str(tmp_path / "2"),
+    )
+    assert "steps 32 samples 512" in out1 and "steps 32 samples 512" in out2
+    assert "[fsdpx.deepspeed] step=4, skipped=0, lr=" in out2  # steps_per_print
+    a, b = _weights(tmp_path / "1"), _weights(tmp_path / "2")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+def _hf_reference(steps: int) -> dict[str, torch.Tensor]:
+    """examples/deepspeed/hf_causal_lm.py's training in one process with plain
+    transformers and torch: dp=2 chunks per micro-step, gas 2, the same clip and schedule."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import hf_causal_lm as example
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdpx.deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
+    no_decay = ["bias", "norm.weight"]
+    groups = [
+        {
+            "params": [p for n, p in model.named_parameters() if not any(d in n for d in no_decay)],
+            "weight_decay": 0.1,
+        },
+        {
+            "params": [p for n, p in model.named_parameters() if any(d in n for d in no_decay)],
+            "weight_decay": 0.0,
+        },
+    ]
+    opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+    sched = WarmupDecayLR(
+        opt, total_num_steps=steps, warmup_max_lr=1e-3, warmup_num_steps=2, warmup_type="linear"
+    )
+    dp, gas, micro = 2, 2, 2
+    data = list(example.batches(steps * gas, micro * dp))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(steps):
+            grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+            for x in data[step * gas : (step + 1) * gas]:
+                for r in range(dp):
+                    work = copy.deepcopy(model)
+                    ids = x[r * micro : (r + 1) * micro]
+                    (work(input_ids=ids, labels=ids).loss / (gas * dp)).backward()
+                    for n, p in work.named_parameters():
+                        grads[n] += p.grad
+            for n, p in model.named_parameters():
+                p.grad = grads[n]
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_hf_causal_lm_matches_plain_transformers(tmp_path: Path) -> None:
+    pytest.importorskip(
+        "transformers", reason="needs the fsdpx[hf] extra (scripts/setup.sh installs it)"
+    )
+    _launch("hf_causal_lm.py", 2, "--steps", "6", "--out", str(tmp_path))
+    ours, ref = _weights(tmp_path), _hf_reference(6)
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], msg=name)
