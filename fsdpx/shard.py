@@ -22,7 +22,7 @@ from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
 from fsdpx.materialize import materialize_
-from fsdpx.offload import build_offload_optimizer, check_offload, offload_policy
+from fsdpx.offload import build_offload, check_offload, fsdp_offload_policy, offload_policy
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.pipeline_parallel import parallelize
@@ -85,7 +85,7 @@ def shard(
             "before fsdpx.shard wraps an optimizer the engine does not use: pass e.g. "
             "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)`"
         )
-    check_offload(cfg, optimizer)
+    offload = check_offload(cfg, optimizer)
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
     mesh = dims.build_mesh(info.device.type)
@@ -114,7 +114,7 @@ def shard(
         sharded, pipeline = cast(FSDPModule, built.module), built.pipeline
     else:
         sharded = shard_data_parallel(model, blocks, cfg, mesh, compile_blocks=cfg.compile)
-        if on_meta and offload_policy(cfg) is not None:
+        if on_meta and fsdp_offload_policy(offload) is not None:
             # FSDP2 keeps offloaded shards on the host and refuses device ones: materialise
             # on the host, then move only the buffers to the device.
             materialize_(model, torch.device("cpu"), seed=cfg.seed, init_fn=init_fn)
@@ -123,7 +123,8 @@ def shard(
             materialize_(model, info.device, seed=cfg.seed, init_fn=init_fn)
 
     params = [p for p in cast(nn.Module, sharded).parameters() if p.requires_grad]
-    opt = build_offload_optimizer(params, model, cfg, info.rank)
+    offloaded = build_offload(offload, params, model, cfg.optimizer, info.rank)
+    opt = offloaded.optimizer
     if opt is None:
         opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
     try:
@@ -140,6 +141,7 @@ def shard(
             loss_fn=loss_fn,
             pipeline=pipeline,
             telemetry=start_telemetry(cfg, info, model, opt),
+            optimizer_step=offloaded.step,
         )
     except BaseException:
         # An offloaded optimizer holds a locked swap file and hooks: release them, or a

@@ -34,10 +34,11 @@ from fsdpx.checkpoint.format import (
     optim_name,
 )
 from fsdpx.checkpoint.state import (
+    ExternalState,
+    external_state_owner,
+    external_state_view,
     local_tensor,
     model_tensors,
-    offload_owner,
-    offload_view,
     param_names,
     rectangle,
     restore_param_groups,
@@ -356,8 +357,8 @@ def load(
         path = resolve(directory, tag)
         # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
         # state straight into its swap file); after_load then updates the device copies.
-        owner = offload_owner(model, optimizer)
-        with CheckpointReader(path) as reader, offload_view(owner) as masters:
+        owner = external_state_owner(model, optimizer)
+        with CheckpointReader(path) as reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
                 loader,
@@ -372,9 +373,8 @@ def load(
                 size=size,
                 masters=masters,
             )
-        after_load = getattr(owner, "after_load", None)
-        if after_load is not None:
-            after_load()
+        if isinstance(owner, ExternalState):
+            owner.after_load()
     except Exception as exc:
         error = exc
         message = str(exc)

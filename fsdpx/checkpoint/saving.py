@@ -37,11 +37,12 @@ from fsdpx.checkpoint.async_save import BackgroundWriter
 from fsdpx.checkpoint.format import CheckpointError, RankWriter, write_manifest
 from fsdpx.checkpoint.loading import LoadResult, load
 from fsdpx.checkpoint.state import (
+    ExternalState,
     Piece,
     collect_pieces,
+    external_state_owner,
+    external_state_view,
     merge_optimizer_meta,
-    offload_owner,
-    offload_view,
     rng_state,
     snapshot,
     to_plain,
@@ -268,7 +269,7 @@ def save(
         fsdpx.checkpoint.save("ckpts", model, opt, tag="step100", client_state={"epoch": 2})
     """
     rank, _ = commit.world(group)
-    with offload_view(offload_owner(model, optimizer)) as masters:
+    with external_state_view(external_state_owner(model, optimizer)) as masters:
         try:
             plan: _Plan | BaseException = _plan(
                 directory,
@@ -290,12 +291,11 @@ def save(
         return _write_and_commit(plan, options or SaveOptions(), group)
 
 
-def _swapped_to_nvme(optimizer: torch.optim.Optimizer | None) -> bool:
-    """Whether the optimizer keeps its state in an NVMe swap file. Such state is saved
-    synchronously even with async_save: a snapshot would copy all of it into host memory
-    (and keep the buffers), which is what NVMe offload exists to avoid."""
-    offload = getattr(optimizer, "offload", None)
-    return getattr(offload, "device", None) == "nvme"
+def _save_synchronously(owner: object) -> bool:
+    """Whether the optimizer's state must be saved synchronously even with async_save
+    (NVMe offload: a snapshot would copy all of it into host memory and keep the buffers,
+    which is what NVMe offload exists to avoid; [Note: external optimizer state])."""
+    return isinstance(owner, ExternalState) and owner.save_synchronously()
 
 
 class Checkpointer:
@@ -369,9 +369,9 @@ class Checkpointer:
         options = dataclasses.replace(self.options, save_latest=save_latest)
         # An offloaded optimizer's state is readable only inside its view (NVMe: mapped
         # from the swap file), so the pieces are written or snapshotted before it closes.
-        owner = offload_owner(model, optimizer)
-        write_now = not self.async_save or _swapped_to_nvme(owner)
-        with offload_view(owner) as masters:
+        owner = external_state_owner(model, optimizer)
+        write_now = not self.async_save or _save_synchronously(owner)
+        with external_state_view(owner) as masters:
             try:
                 plan = _plan(
                     directory,

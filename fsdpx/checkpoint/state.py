@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -165,28 +166,63 @@ def _group_params(
             yield gi, names[id(p)], p
 
 
-OFFLOAD_OWNER = "_fsdpx_offloaded_optimizer"
-"""Attribute of a model whose parameters an offloaded optimizer steps: a weakref to it."""
+@runtime_checkable
+class ExternalState(Protocol):
+    """What checkpoint code needs from an optimizer whose state is not plain torch state
+    (fsdpx.offload.OffloadedAdamW: fp32 masters and moments in host memory or an NVMe swap
+    file, behind device parameters that may be 16-bit).
+
+    [Note: external optimizer state] Such an optimizer's `state` and masters are readable
+    only inside `checkpoint_view()`: saving collects (or snapshots) the pieces while it is
+    open, saving the masters in place of the device parameters; loading writes into them
+    and then calls `after_load()`. `save_synchronously()` says that a snapshot for an async
+    save would cost what the store exists to avoid (a swap file copied into host memory),
+    so such saves are written before returning.
+    """
+
+    def checkpoint_view(self) -> AbstractContextManager[dict[int, Any]]:
+        """While open, `state` holds every state tensor; yields id(parameter) -> the fp32
+        master that a checkpoint stores as that parameter."""
+        ...
+
+    def after_load(self) -> None:
+        """Push the loaded masters to the device parameters."""
+        ...
+
+    def save_synchronously(self) -> bool:
+        """Whether an async save must still be written synchronously."""
+        ...
 
 
-def offload_owner(
+_EXTERNAL_STATE: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ExternalState]] = (
+    weakref.WeakKeyDictionary()
+)
+"""model -> the optimizer holding its parameters' fp32 masters (both held weakly)."""
+
+
+def register_external_state(model: nn.Module, optimizer: ExternalState) -> None:
+    """Record that `optimizer` holds the fp32 masters of `model`'s parameters, so that a
+    model-only save or load (optimizer=None) still goes through them."""
+    _EXTERNAL_STATE[model] = weakref.ref(optimizer)
+
+
+def external_state_owner(
     model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> torch.optim.Optimizer | None:
-    """`optimizer`, or when None the offloaded optimizer that owns `model`'s fp32 masters:
-    a model-only save or load must still go through them (the device copy may be 16-bit,
-    and the next step would overwrite loaded parameters from stale masters)."""
+) -> torch.optim.Optimizer | ExternalState | None:
+    """`optimizer`, or when None the optimizer registered for `model`: a model-only save or
+    load must still go through its masters (the device copy may be 16-bit, and the next
+    step would overwrite loaded parameters from stale masters)."""
     if optimizer is not None:
         return optimizer
-    ref = getattr(model, OFFLOAD_OWNER, None)
+    ref = _EXTERNAL_STATE.get(model)
     return ref() if ref is not None else None
 
 
-def offload_view(optimizer: torch.optim.Optimizer | None) -> AbstractContextManager[dict[int, Any]]:
-    """An offloaded optimizer's checkpoint view (fsdpx/offload/cpu.py): while open, its
-    `state` holds every state tensor and the yielded dict maps id(parameter) to the fp32
-    master that a checkpoint stores as that parameter. {} for any other optimizer."""
-    view = getattr(optimizer, "checkpoint_view", None)
-    return view() if view is not None else contextlib.nullcontext({})
+def external_state_view(owner: object) -> AbstractContextManager[dict[int, Any]]:
+    """`owner`'s checkpoint view when it is an ExternalState, else an empty one ({})."""
+    if isinstance(owner, ExternalState):
+        return owner.checkpoint_view()
+    return contextlib.nullcontext({})
 
 
 def with_masters(
@@ -213,7 +249,7 @@ def collect_pieces(
         model, optimizer: what to save (optimizer may be None).
         rank: this rank in the checkpoint's process group.
         plain_writer: whether this rank writes plain (non-DTensor) tensors; None: rank 0.
-        masters: from offload_view: fp32 masters saved in place of offloaded parameters.
+        masters: from external_state_view: fp32 masters saved in place of parameters.
 
     Returns:
         (pieces, optimizer_meta) where optimizer_meta is None without an optimizer, else
