@@ -23,6 +23,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpx.checkpoint import commit
+from fsdpx.checkpoint.external import (
+    ExternalState,
+    external_state_owner,
+    external_state_view,
+)
 from fsdpx.checkpoint.format import (
     MODEL_PREFIX,
     CheckpointCorruptError,
@@ -34,9 +39,6 @@ from fsdpx.checkpoint.format import (
     optim_name,
 )
 from fsdpx.checkpoint.state import (
-    ExternalState,
-    external_state_owner,
-    external_state_view,
     local_tensor,
     model_tensors,
     param_names,

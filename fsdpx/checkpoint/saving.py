@@ -34,14 +34,16 @@ from torch import nn
 
 from fsdpx.checkpoint import commit
 from fsdpx.checkpoint.async_save import BackgroundWriter
+from fsdpx.checkpoint.external import (
+    ExternalState,
+    external_state_owner,
+    external_state_view,
+)
 from fsdpx.checkpoint.format import CheckpointError, RankWriter, write_manifest
 from fsdpx.checkpoint.loading import LoadResult, load
 from fsdpx.checkpoint.state import (
-    ExternalState,
     Piece,
     collect_pieces,
-    external_state_owner,
-    external_state_view,
     merge_optimizer_meta,
     rng_state,
     snapshot,

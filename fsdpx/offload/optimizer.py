@@ -10,7 +10,7 @@ see [Note: state stores] in state_store.py.
 Offload is pure data movement: with fp32 device parameters the results are bitwise those of
 fsdpx.optim.AdamW on the same parameters without offload (the same kernel, same order).
 
-Checkpoints (fsdpx/checkpoint): OffloadedAdamW is an fsdpx.checkpoint.state.ExternalState:
+Checkpoints (fsdpx/checkpoint): OffloadedAdamW is an fsdpx.checkpoint.external.ExternalState:
 `checkpoint_view()` exposes the fp32 masters in place of the device parameters
 ("model/<fqn>") and every state tensor in `self.state` ("optim/<fqn>/..."), so the files
 are those of a run without offload; `after_load()` pushes loaded masters to the device.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpx.checkpoint.state import register_external_state
+from fsdpx.checkpoint.external import register_external_state
 from fsdpx.config import OffloadConfig
 from fsdpx.offload.copies import DeviceCopies
 from fsdpx.offload.grad_stream import local
@@ -173,7 +173,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._store.step(inv_grad_scale)
         return loss
 
-    # --- checkpoints (fsdpx.checkpoint.state.ExternalState) -----------------------------
+    # --- checkpoints (fsdpx.checkpoint.external.ExternalState) -----------------------------
 
     @contextlib.contextmanager
     def checkpoint_view(self) -> Iterator[dict[int, torch.Tensor]]:
