@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fsdpx.optimizers import OPTIMIZER_KEYS
 from fsdpx.strict_parse import parse_dataclass
 
 DType = Literal["fp32", "bf16", "fp16"]
@@ -176,7 +177,7 @@ class OptimizerConfig:
     """The optimizer built when `fsdpx.shard` is called with optimizer=None."""
 
     type: Literal["adamw", "adam", "sgd"] = "adamw"
-    """Which torch.optim optimizer to build."""
+    """Which optimizer to build: a row of fsdpx.optimizers.OPTIMIZERS (the keys it reads)."""
     lr: float = 1e-3
     """Learning rate (the peak lr of a schedule whose max lr is left unset)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -189,7 +190,7 @@ class OptimizerConfig:
     """sgd only."""
 
     def __post_init__(self) -> None:
-        _check_unused(self, "optimizer", "type", _OPTIMIZER_KEYS[self.type])
+        _check_unused(self, "optimizer", "type", OPTIMIZER_KEYS[self.type])
         _check(self.lr >= 0, "optimizer.lr", self.lr, ">= 0")
         _check(
             all(0 <= b < 1 for b in self.betas),
@@ -201,15 +202,6 @@ class OptimizerConfig:
         _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
         _check(self.momentum >= 0, "optimizer.momentum", self.momentum, ">= 0")
 
-
-# The OptimizerConfig fields each optimizer type reads (fsdpx/optim.py).
-_OPTIMIZER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
-    {
-        "adamw": frozenset({"lr", "betas", "eps", "weight_decay"}),
-        "adam": frozenset({"lr", "betas", "eps", "weight_decay"}),
-        "sgd": frozenset({"lr", "momentum", "weight_decay"}),
-    }
-)
 
 SCHEDULER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
     {

@@ -26,15 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fsdpx.checkpoint.saving import Checkpointer
-from fsdpx.clip import clip_grad_norm_
 from fsdpx.config import Config
 from fsdpx.distributed import guarded
 from fsdpx.export import save_full_model
-from fsdpx.offload.cpu import OffloadedAdamW
-from fsdpx.offload.step import offloaded_step
+from fsdpx.optimizer_step import OptimizerStep, PlainStep
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner
-from fsdpx.precision import LossScaler, grads_have_overflow, unscale_grads_
+from fsdpx.precision import LossScaler, grads_have_overflow
 from fsdpx.telemetry.checkpoint_events import report_loaded, saved_reporter
 from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
@@ -74,6 +72,7 @@ class Engine:
         loss_fn: Callable[..., torch.Tensor] | None = None,
         pipeline: PipelineRunner | None = None,
         telemetry: Publisher | None = None,
+        optimizer_step: OptimizerStep | None = None,
     ) -> None:
         # One object, two static types: FSDPModule is a mixin that type checkers do not
         # see as an nn.Module.
@@ -100,8 +99,11 @@ class Engine:
         self._checkpointer = Checkpointer.from_config(cfg)
         self._last_grad_norm: float | None = None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
-        # ZeRO-Offload (fsdpx/offload): its step takes the unscale/clip factor.
-        self._offloaded = optimizer if isinstance(optimizer, OffloadedAdamW) else None
+        # How the optimizer steps ([Note: step strategies] in fsdpx/optimizer_step.py):
+        # fsdpx.shard hands in offload's; any other optimizer unscales, clips and steps.
+        self._optimizer_step: OptimizerStep = optimizer_step or PlainStep(
+            optimizer, self._params, self._pp_group
+        )
         # Set by fsdpx.deepspeed's engine (set_gradient_accumulation_boundary, no_sync):
         # a caller-owned boundary, and gradients kept local while `_no_sync` holds.
         self._boundary_override: bool | None = None
@@ -151,8 +153,7 @@ class Engine:
             # no_sync backward they are set back once.
             prepare_micro_step(self._fsdp_root, self.config.zero, is_boundary=boundary)
             self._sync_changed = not boundary
-        if self._offloaded is not None:
-            self._offloaded.prepare_backward(boundary)
+        self._optimizer_step.prepare_backward(boundary)
         factor = self.loss_scaler.scale
         if divide_by_accumulation:
             factor /= self.config.gradient_accumulation_steps
@@ -180,13 +181,9 @@ class Engine:
             inv_scale = 1.0 / scale
         self._last_grad_norm = None
         if not skipped:
-            if self._offloaded is not None:
-                # Unscaling and clipping are folded into the offloaded step's one pass.
-                self._last_grad_norm = offloaded_step(
-                    self._offloaded, self._params, inv_scale, self.config.gradient_clipping
-                )
-            else:
-                self._plain_optimizer_step(inv_scale)
+            self._last_grad_norm = self._optimizer_step.step(
+                inv_scale, self.config.gradient_clipping
+            )
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
@@ -197,16 +194,6 @@ class Engine:
         if self.telemetry is not None:
             self.telemetry.on_step(self, result)  # queues a record; never blocks
         return result
-
-    def _plain_optimizer_step(self, inv_scale: float) -> None:
-        if inv_scale != 1.0:
-            unscale_grads_(self._params, inv_scale)
-        if self.config.gradient_clipping > 0:
-            norm = clip_grad_norm_(
-                self._params, self.config.gradient_clipping, pp_group=self._pp_group
-            )
-            self._last_grad_norm = float(norm)
-        self.optimizer.step()
 
     @guarded
     def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
@@ -406,6 +393,6 @@ class Engine:
     def close(self) -> None:
         """Release what outlives training steps: offload swap files and gradient hooks
         (also released when the engine is garbage collected or the interpreter exits)."""
-        if self._offloaded is not None:
+        if self._optimizer_step.owns_resources:
             self.wait_for_checkpoint()
-            self._offloaded.close()
+            self._optimizer_step.close()

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from fsdpx.config import Config, OffloadConfig, ZeroConfig
+from fsdpx.offload.plan import OffloadPlan, Placement, resolve_offload
+from fsdpx.optimizers import OPTIMIZERS
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.precision import torch_dtype
 from fsdpx.zero import dims_for_stage
@@ -138,12 +140,7 @@ def _shard_numel(shape: tuple[int, ...], shard: int) -> int:
 
 def _optimizer_bytes(cfg: Config, shapes: Sequence[ParamShape], shard: int) -> int:
     local = sum(_shard_numel(p.shape, shard) * p.element_size for p in shapes)
-    kind = cfg.optimizer.type
-    if kind in ("adam", "adamw"):
-        return 2 * local + _FP32 * len(shapes)  # exp_avg, exp_avg_sq; fp32 `step` per tensor
-    if kind == "sgd":
-        return local if cfg.optimizer.momentum > 0 else 0
-    raise AssertionError(f"unhandled optimizer type {kind!r}")
+    return OPTIMIZERS[cfg.optimizer.type].state_bytes(cfg.optimizer, local, len(shapes))
 
 
 def _gathered(
@@ -198,35 +195,29 @@ def deepspeed_formulas(
 
 
 def _placement(
-    cfg: Config, *, params: int, grads: int, optimizer: int, numel: int
-) -> dict[str, int]:
-    """Model-state bytes on the device ("none"), in host memory ("cpu") and on NVMe, as
-    fsdpx.offload lays them out (fsdpx/offload/build.py's table):
+    plan: OffloadPlan, *, params: int, grads: int, optimizer: int, numel: int
+) -> dict[Placement, int]:
+    """Model-state bytes on the device, in host memory and on NVMe, as fsdpx.offload lays
+    them out ([Note: the offload table] in fsdpx/offload/plan.py):
 
-    - optimizer offload without parameter offload (OffloadedAdamW): an fp32 master (4 B per
-      local element) joins the moments; with device "cpu" the host also holds a gradient
-      copy and, for 16-bit device shards, the 16-bit copy going back; with "nvme" the host
-      holds `buffer_mb` of streaming buffers;
-    - parameter offload: parameters and gradients on the host (fp32, stepped in place); with
-      NVMe optimizer offload the master and moments are in the swap file.
+    - an optimizer stepping the parameters in place (no offload, or host parameters):
+      its state sits with the parameters;
+    - otherwise (OffloadedAdamW) an fp32 master (4 B per local element) joins the moments;
+      host masters also mean a host copy of the gradients and, for 16-bit device shards,
+      the 16-bit copy going back; NVMe masters mean `buffer_mb` of host streaming buffers.
     """
-    off_opt, off_par = cfg.zero.offload_optimizer, cfg.zero.offload_param
-    placed = {"none": 0, "cpu": 0, "nvme": 0}
-    placed[off_par.device] += params + grads
-    if off_par.device == "cpu" and off_opt.device in ("none", "cpu"):
-        placed["cpu"] += optimizer  # fsdpx.optim.AdamW steps the host parameters in place
+    placed: dict[Placement, int] = {"device": 0, "host": 0, "nvme": 0}
+    placed[plan.params] += params + grads
+    placed[plan.moments] += optimizer
+    if plan.steps_in_place:
         return placed
-    placed[off_opt.device] += optimizer
-    if off_opt.device == "none":
-        return placed
-    placed[off_opt.device] += _FP32 * numel  # the master
-    if off_opt.device == "nvme":
-        placed["cpu"] += off_opt.buffer_mb << 20
-    else:
+    placed[plan.master] += _FP32 * numel  # the master
+    placed["host"] += plan.streaming_buffer_bytes
+    if plan.host_gradient_copy:
         element = params // numel if numel else 0
-        placed["cpu"] += grads  # the host copy of the gradients
+        placed["host"] += grads  # the host copy of the gradients
         if element == 2:
-            placed["cpu"] += 2 * numel  # the 16-bit copy sent back to the device
+            placed["host"] += 2 * numel  # the 16-bit copy sent back to the device
     return placed
 
 
@@ -287,18 +278,18 @@ def estimate_memory(
     optimizer = _optimizer_bytes(cfg, shapes, shard)
     compute = torch.empty((), dtype=torch_dtype(cfg.precision.param_dtype)).element_size()
     gathered = _gathered(cfg.zero, shapes, compute, largest_layer_params)
-    off_opt, off_par = cfg.zero.offload_optimizer.device, cfg.zero.offload_param.device
+    plan = resolve_offload(cfg)
     local_numel = sum(_shard_numel(p.shape, shard) for p in shapes)
-    if off_opt != "none" and off_par == "none" and compute == 2:
+    if plan.device_param_dtype is not None:
         # OffloadedAdamW keeps the device shards (and so their gradients) 16-bit.
-        params = grads = local_numel * compute
-    placed = _placement(cfg, params=params, grads=grads, optimizer=optimizer, numel=local_numel)
+        params = grads = local_numel * plan.device_param_bytes(compute)
+    placed = _placement(plan, params=params, grads=grads, optimizer=optimizer, numel=local_numel)
     ds_gpu, ds_cpu = deepspeed_formulas(
         cfg.zero.stage,
         num_params,
         world_size,
-        offload_optimizer=off_opt != "none",
-        offload_param=off_par != "none",
+        offload_optimizer=plan.master != "device",
+        offload_param=plan.params != "device",
         largest_layer_params=largest_layer_params or 0,
         gpus_per_node=gpus_per_node or min(world_size, 8),
     )
@@ -319,15 +310,15 @@ def estimate_memory(
         stage=cfg.zero.stage,
         world_size=world_size,
         shard_size=shard,
-        offload_optimizer=off_opt,
-        offload_param=off_par,
+        offload_optimizer=cfg.zero.offload_optimizer.device,
+        offload_param=cfg.zero.offload_param.device,
         num_params=num_params,
         params=params,
         grads=grads,
         optimizer=optimizer,
         gathered_params=gathered,
-        device_model_states=placed["none"],
-        host_bytes=placed["cpu"],
+        device_model_states=placed["device"],
+        host_bytes=placed["host"],
         nvme_bytes=placed["nvme"],
         deepspeed_gpu=ds_gpu,
         deepspeed_cpu=ds_cpu,

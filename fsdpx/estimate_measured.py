@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpx.config import Config, OptimizerConfig
+from fsdpx.config import Config
+from fsdpx.optimizers import OPTIMIZERS
 
 ModelArg = nn.Module | Callable[[], nn.Module]
 
@@ -141,7 +142,11 @@ def measure_memory(
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             work.to_empty(device="cpu")
             params = [p for p in work.parameters() if p.requires_grad]
-            opt = _state_twin_optimizer(params, cfg.optimizer)
+            # The registry's builder is torch's own optimizer: fsdpx's fused CPU Adam reads
+            # step counters with .item(), which fake tensors cannot answer; its state has
+            # torch's layout (0-dim fp32 `step`, `exp_avg`, `exp_avg_sq`), so the bytes
+            # counted are the same.
+            opt = OPTIMIZERS[cfg.optimizer.type].build(params, cfg.optimizer)
             inputs = tuple(
                 mode.from_tensor(torch.empty_like(t, device="cpu"))
                 if isinstance(t, torch.Tensor)
@@ -172,20 +177,6 @@ def measure_memory(
         peak=peak.get("Total", 0),
         peak_by_category=peak,
     )
-
-
-def _state_twin_optimizer(
-    params: list[nn.Parameter], cfg: OptimizerConfig
-) -> torch.optim.Optimizer:
-    """torch's own optimizer for cfg.type. fsdpx's fused CPU Adam reads step counters with
-    .item(), which fake tensors cannot answer; its state has torch's layout (0-dim fp32
-    `step`, `exp_avg`, `exp_avg_sq`), so the bytes counted are the same."""
-    if cfg.type in ("adam", "adamw"):
-        cls = torch.optim.AdamW if cfg.type == "adamw" else torch.optim.Adam
-        return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.type == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
-    raise AssertionError(f"unhandled optimizer type {cfg.type!r}")
 
 
 def _category_bytes(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:

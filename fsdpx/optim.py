@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -12,32 +12,62 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from fsdpx.config import OptimizerConfig
 from fsdpx.ops import adam_step, load_ops
+from fsdpx.optimizers import OPTIMIZERS
 
 
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """The optimizer `cfg.type` over `params`, with torch's fastest implementation for the
-    parameters' device (fused on CUDA, foreach on CPU where fused is not available).
+    """The optimizer `cfg.type` over `params`: the builder of its row in
+    fsdpx.optimizers.OPTIMIZERS (torch's implementation, which picks its fused or foreach
+    kernel for the parameters' device).
 
     Example::
 
         opt = build_optimizer(model.parameters(), OptimizerConfig(type="adamw", lr=3e-4))
     """
-    params = list(params)
-    if cfg.type == "adamw":
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    if cfg.type == "adam":
-        return torch.optim.Adam(
-            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    if cfg.type == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    raise AssertionError(f"unhandled optimizer type {cfg.type!r}")  # config validated it
+    return OPTIMIZERS[cfg.type].build(list(params), cfg)  # config validated cfg.type
+
+
+def group_adam_step(
+    group: dict[str, Any],
+    step: int,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
+    inv_grad_scale: float = 1.0,
+    param_copies: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """One fused `fsdpx.ops.adam_step` over tensors that share the param group `group`
+    (an adamw_defaults group: its hyperparameters become the op's arguments) and the step
+    number `step`. The one place the op is called: AdamW here, and the host and NVMe
+    state stores of fsdpx.offload.
+
+    Example::
+
+        group_adam_step(opt.param_groups[0], 1, [p], [p.grad], [m], [v])
+    """
+    beta1, beta2 = group["betas"]
+    adam_step(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs=max_exp_avg_sqs,
+        lr=float(group["lr"]),
+        step=step,
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+        maximize=group["maximize"],
+        inv_grad_scale=inv_grad_scale,
+        param_copies=param_copies,
+    )
 
 
 def adamw_defaults(
@@ -173,7 +203,6 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _native_step(self, group: dict[str, Any], lists: _Lists) -> None:
-        beta1, beta2 = group["betas"]
         # Normally every parameter is at the same step; one call per distinct step otherwise
         # (e.g. a parameter that had no gradient for a while).
         by_step: dict[int, list[int]] = {}
@@ -181,7 +210,9 @@ class AdamW(torch.optim.Optimizer):
             step_t += 1
             by_step.setdefault(int(step_t.item()), []).append(i)
         for step, idx in by_step.items():
-            adam_step(
+            group_adam_step(
+                group,
+                step,
                 [lists.params[i] for i in idx],
                 [lists.grads[i] for i in idx],
                 [lists.exp_avgs[i] for i in idx],
@@ -189,14 +220,6 @@ class AdamW(torch.optim.Optimizer):
                 max_exp_avg_sqs=[lists.max_exp_avg_sqs[i] for i in idx]
                 if group["amsgrad"]
                 else None,
-                lr=float(group["lr"]),
-                step=step,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=group["decoupled_weight_decay"],
-                maximize=group["maximize"],
             )
 
     def _torch_step(self, group: dict[str, Any], lists: _Lists) -> None:

@@ -19,7 +19,7 @@ from fsdpx.blocks import find_blocks
 from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
-from fsdpx.offload import build_offload_optimizer, check_offload
+from fsdpx.offload import build_offload, check_offload
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.parallelize import parallelize
@@ -82,7 +82,7 @@ def shard(
             "before fsdpx.shard wraps an optimizer the engine does not use: pass e.g. "
             "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)`"
         )
-    check_offload(cfg, optimizer)
+    offload = check_offload(cfg, optimizer)
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
     mesh = dims.build_mesh(info.device.type)
@@ -101,7 +101,8 @@ def shard(
     sharded = cast(FSDPModule, built.module)
 
     params = [p for p in cast(nn.Module, sharded).parameters() if p.requires_grad]
-    opt = build_offload_optimizer(params, model, cfg, info.rank)
+    offloaded = build_offload(offload, params, model, cfg.optimizer, info.rank)
+    opt = offloaded.optimizer
     if opt is None:
         opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
     try:
@@ -118,6 +119,7 @@ def shard(
             loss_fn=loss_fn,
             pipeline=built.pipeline,
             telemetry=start_telemetry(cfg, info, model, opt),
+            optimizer_step=offloaded.step,
         )
     except BaseException:
         # An offloaded optimizer holds a locked swap file and hooks: release them, or a

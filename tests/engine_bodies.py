@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdpx
 import fsdpx.engine
+import fsdpx.optimizer_step
 from fsdpx.demo.gpt import shard_batch
 from fsdpx.schedulers import build_scheduler
 from fsdpx.zero import stage_plan
@@ -172,7 +173,7 @@ def fp16_vs_fp32_body(
     out = {}
     for name, case in cases.items():
         ctx = (
-            patched(fsdpx.engine, "unscale_grads_", _no_unscale)
+            patched(fsdpx.optimizer_step, "unscale_grads_", _no_unscale)
             if case.get("broken")
             else contextlib.nullcontext()
         )

@@ -298,6 +298,7 @@ def disk_full_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 
 KILL_RANK = 1
+_KEEP_ALIVE: list[Any] = []
 KILL_AT = 3  # optimizer step (0-based) during which KILL_RANK is SIGKILLed
 SAVED_AT = 2  # the checkpoint before it: after steps 0 and 1
 
@@ -310,6 +311,10 @@ def kill_body(rank: int, world_size: int, root: str) -> None:
 
     base = Path(root)
     engine = build(config(3, optimizer="nvme", nvme_path=str(base / "swap")))
+    # The survivor leaves its swap file like a crashed process: were the engine collected
+    # as the failure unwinds, the store's finalizer would remove it before the harness's
+    # os._exit, and the restart would not meet an old file on that rank.
+    _KEEP_ALIVE.append(engine)
     train(engine, 0, SAVED_AT)
     save(engine, base / "ckpt", "saved")
     train(engine, SAVED_AT, KILL_AT)
@@ -478,21 +483,17 @@ def placement_body(
         engine.backward(engine(x, x))
         params = list(engine.module.parameters())
         opt = engine.optimizer
-        held = [
-            getattr(s, k)
-            for s in opt.slots()
-            for k in ("master", "exp_avg", "exp_avg_sq", "grad_host", "copy_host")
-        ]
+        held = opt.host_tensors()
         return {
             "est_device": est.device_model_states,
             "est_host": est.host_bytes,
             "est_nvme": est.nvme_bytes,
             "device": sum(local(p).nbytes + local(p.grad).nbytes for p in params),
             "steps": 4 * len(params),
-            "host_tensors": sum(t.nbytes for t in held if t is not None),
+            "host_tensors": sum(t.nbytes for t in held),
             "host_buffers": opt.host_buffer_bytes,
             "total_numel": opt.total_numel,
-            "file_bytes": opt._nvme.store.file_bytes if opt._nvme is not None else 0,
+            "file_bytes": opt.swap_file_bytes,
         }
     finally:
         engine.close()

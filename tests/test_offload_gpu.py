@@ -80,8 +80,9 @@ def test_cpu_and_nvme_offload_agree_bitwise_and_track_device_adam(tmp_path: Path
     gc.collect()
     cpu = _engine({"device": "cpu"})
     cpu_losses = _train(cpu, 5)
-    streamed = len(cpu.optimizer._streamer.copied)
-    assert all(s.master.is_pinned() and s.grad_host.is_pinned() for s in cpu.optimizer.slots())
+    streamed = len(cpu.optimizer._store._streamer.copied)
+    # Masters, moments, gradient copies: every host tensor of the store is pinned.
+    assert all(t.is_pinned() for t in cpu.optimizer.host_tensors())
     cpu_device_bytes = torch.cuda.memory_allocated()
     assert all(
         (t.to_local() if isinstance(t, DTensor) else t).device.type == "cpu"
@@ -114,9 +115,12 @@ def test_bf16_device_params_halve_device_memory_and_checkpoint_fp32_masters(
     assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
     losses = _train(engine, 4)
     assert losses[-1] < losses[0]
-    masters = {
-        n: engine.optimizer._slots[id(p)].master for n, p in engine.module.named_parameters()
-    }
+    with engine.optimizer.checkpoint_view() as view:
+        masters = {
+            n: (m.to_local() if isinstance(m, DTensor) else m)
+            for n, p in engine.module.named_parameters()
+            for m in [view[id(p)]]
+        }
     engine.save_checkpoint(tmp_path, tag="t")
     engine.close()
     import fsdpx

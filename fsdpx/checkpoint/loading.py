@@ -36,10 +36,13 @@ from checkpoint_tools.format import (
 )
 from checkpoint_tools.format.root import committed, resolve
 from fsdpx.checkpoint import commit
+from fsdpx.checkpoint.external import (
+    ExternalState,
+    external_state_owner,
+    external_state_view,
+)
 from fsdpx.checkpoint.state import (
     model_tensors,
-    offload_owner,
-    offload_view,
     param_names,
     rectangle,
     restore_param_groups,
@@ -330,8 +333,8 @@ def load(
         path = resolve(directory, tag)
         # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
         # state straight into its swap file); after_load then updates the device copies.
-        owner = offload_owner(model, optimizer)
-        with CheckpointReader(path) as reader, offload_view(owner) as masters:
+        owner = external_state_owner(model, optimizer)
+        with CheckpointReader(path) as reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
                 loader,
@@ -346,9 +349,8 @@ def load(
                 size=size,
                 masters=masters,
             )
-        after_load = getattr(owner, "after_load", None)
-        if after_load is not None:
-            after_load()
+        if isinstance(owner, ExternalState):
+            owner.after_load()
         stored = sum(rf.data_size + rf.index_size for rf in reader.rank_files)
         result = dataclasses.replace(result, bytes=stored)
     except Exception as exc:

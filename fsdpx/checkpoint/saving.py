@@ -39,13 +39,16 @@ from checkpoint_tools.format import CheckpointError, RankWriter, write_manifest
 from checkpoint_tools.format.root import check_tag, read_latest, write_latest
 from fsdpx.checkpoint import commit
 from fsdpx.checkpoint.async_save import BackgroundWriter
+from fsdpx.checkpoint.external import (
+    ExternalState,
+    external_state_owner,
+    external_state_view,
+)
 from fsdpx.checkpoint.loading import LoadResult, load
 from fsdpx.checkpoint.state import (
     Piece,
     collect_pieces,
     merge_optimizer_meta,
-    offload_owner,
-    offload_view,
     rng_state,
     snapshot,
     to_plain,
@@ -300,7 +303,7 @@ def save(
         fsdpx.checkpoint.save("ckpts", model, opt, tag="step100", client_state={"epoch": 2})
     """
     rank, _ = commit.world(group)
-    with offload_view(offload_owner(model, optimizer)) as masters:
+    with external_state_view(external_state_owner(model, optimizer)) as masters:
         try:
             plan: _Plan | BaseException = _plan(
                 directory,
@@ -322,12 +325,11 @@ def save(
         return _write_and_commit(plan, options or SaveOptions(), group)
 
 
-def _swapped_to_nvme(optimizer: torch.optim.Optimizer | None) -> bool:
-    """Whether the optimizer keeps its state in an NVMe swap file. Such state is saved
-    synchronously even with async_save: a snapshot would copy all of it into host memory
-    (and keep the buffers), which is what NVMe offload exists to avoid."""
-    offload = getattr(optimizer, "offload", None)
-    return getattr(offload, "device", None) == "nvme"
+def _save_synchronously(owner: object) -> bool:
+    """Whether the optimizer's state must be saved synchronously even with async_save
+    (NVMe offload: a snapshot would copy all of it into host memory and keep the buffers,
+    which is what NVMe offload exists to avoid; [Note: external optimizer state])."""
+    return isinstance(owner, ExternalState) and owner.save_synchronously()
 
 
 class Checkpointer:
@@ -406,8 +408,8 @@ class Checkpointer:
         options = dataclasses.replace(self.options, save_latest=save_latest)
         # An offloaded optimizer's state is readable only inside its view (NVMe: mapped
         # from the swap file), so the pieces are written or snapshotted before it closes.
-        owner = offload_owner(model, optimizer)
-        write_now = not self.async_save or _swapped_to_nvme(owner)
+        owner = external_state_owner(model, optimizer)
+        write_now = not self.async_save or _save_synchronously(owner)
 
         def committed(path: Path, nbytes: int) -> None:
             if on_commit is None:
@@ -418,7 +420,7 @@ class Checkpointer:
             except Exception:
                 log.exception("checkpoint %s is committed, but reporting it failed", path)
 
-        with offload_view(owner) as masters:
+        with external_state_view(owner) as masters:
             try:
                 plan = _plan(
                     directory,

@@ -18,11 +18,9 @@ Names (checkpoint_tools/FORMAT.md): "model/<state-dict key>" for parameters and 
 
 from __future__ import annotations
 
-import contextlib
 import random
 import sys
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,30 +160,6 @@ def _group_params(
             yield gi, names[id(p)], p
 
 
-OFFLOAD_OWNER = "_fsdpx_offloaded_optimizer"
-"""Attribute of a model whose parameters an offloaded optimizer steps: a weakref to it."""
-
-
-def offload_owner(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> torch.optim.Optimizer | None:
-    """`optimizer`, or when None the offloaded optimizer that owns `model`'s fp32 masters:
-    a model-only save or load must still go through them (the device copy may be 16-bit,
-    and the next step would overwrite loaded parameters from stale masters)."""
-    if optimizer is not None:
-        return optimizer
-    ref = getattr(model, OFFLOAD_OWNER, None)
-    return ref() if ref is not None else None
-
-
-def offload_view(optimizer: torch.optim.Optimizer | None) -> AbstractContextManager[dict[int, Any]]:
-    """An offloaded optimizer's checkpoint view (fsdpx/offload/cpu.py): while open, its
-    `state` holds every state tensor and the yielded dict maps id(parameter) to the fp32
-    master that a checkpoint stores as that parameter. {} for any other optimizer."""
-    view = getattr(optimizer, "checkpoint_view", None)
-    return view() if view is not None else contextlib.nullcontext({})
-
-
 def with_masters(
     model: nn.Module, tensors: dict[str, torch.Tensor], masters: dict[int, Any]
 ) -> dict[str, torch.Tensor]:
@@ -210,7 +184,7 @@ def collect_pieces(
         model, optimizer: what to save (optimizer may be None).
         rank: this rank in the checkpoint's process group.
         plain_writer: whether this rank writes plain (non-DTensor) tensors; None: rank 0.
-        masters: from offload_view: fp32 masters saved in place of offloaded parameters.
+        masters: from external_state_view: fp32 masters saved in place of parameters.
 
     Returns:
         (pieces, optimizer_meta) where optimizer_meta is None without an optimizer, else

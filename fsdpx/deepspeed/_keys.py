@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fsdpx.config import SCHEDULER_KEYS
+from fsdpx.optimizers import OPTIMIZER_PARAM_KEYS, OPTIMIZERS
 
 Action = Literal["section", "mapped", "ignored", "refused"]
 
@@ -406,11 +407,11 @@ def _table() -> dict[str, KeyRule]:
             ),
             "optimizer.legacy_fusion": _ignored("DeepSpeed's kernel choice", INTERNAL),
             "optimizer.params": _section(),
-            "optimizer.params.lr": _mapped("", "optimizer.lr"),
-            "optimizer.params.betas": _mapped("", "optimizer.betas"),
-            "optimizer.params.eps": _mapped("", "optimizer.eps"),
-            "optimizer.params.weight_decay": _mapped("", "optimizer.weight_decay"),
-            "optimizer.params.momentum": _mapped("", "optimizer.momentum"),
+            # The keys some optimizer of the registry reads (fsdpx/optimizers.py).
+            **{
+                f"optimizer.params.{key}": _mapped("", f"optimizer.{key}")
+                for key in OPTIMIZER_PARAM_KEYS
+            },
             "optimizer.params.adam_w_mode": _mapped("chooses adamw (true) or adam (false)"),
             "optimizer.params.torch_adam": _ignored(
                 "DeepSpeed's Adam kernel choice; fsdpx uses torch.optim", INTERNAL
@@ -532,7 +533,7 @@ DS_KEYS: Mapping[str, KeyRule] = types.MappingProxyType(_table())
 """Every DeepSpeed key fsdpx knows -> its rule (see the module docstring)."""
 
 OPTIMIZER_TYPES: Mapping[str, str] = types.MappingProxyType(
-    {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+    {ds: name for name, spec in OPTIMIZERS.items() for ds in spec.deepspeed_types}
 )
 """Lower-cased DeepSpeed optimizer type -> fsdpx optimizer.type ("adam" becomes "adam"
 when params.adam_w_mode is false)."""

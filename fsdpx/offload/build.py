@@ -1,124 +1,88 @@
-"""From zero.offload_optimizer / zero.offload_param to what fsdpx.shard builds.
-
-| offload_param | offload_optimizer | FSDP offload policy | optimizer |
-|---------------|-------------------|---------------------|-----------|
-| none          | none              | none                | cfg.optimizer (torch) |
-| none          | cpu / nvme        | none                | OffloadedAdamW (device params 16-bit with bf16/fp16 precision) |
-| cpu           | none / cpu        | CPUOffloadPolicy    | fsdpx.optim.AdamW on the host fp32 params (fused adam_step) |
-| cpu           | nvme              | CPUOffloadPolicy    | OffloadedAdamW over the host params, states on NVMe |
-
-`CPUOffloadPolicy()` pins host memory by default, which fails on a machine without an
-accelerator: pin_memory defaults to whether one exists, and an explicit request to pin is
-ignored (said once) where none does (see [Note: pin_memory without an accelerator] in pin.py).
+"""What fsdpx.shard builds from an OffloadPlan: FSDP2's offload policy for the parameters,
+and the optimizer with the engine's step strategy ([Note: the offload table] in plan.py).
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from fsdpx.config import Config
-from fsdpx.offload.cpu import OffloadedAdamW
+from fsdpx.config import Config, OptimizerConfig
+from fsdpx.offload.optimizer import OffloadedAdamW
 from fsdpx.offload.pin import host_pin
+from fsdpx.offload.plan import OffloadPlan, resolve_offload
+from fsdpx.offload.step import OffloadedStep
 from fsdpx.optim import AdamW
+from fsdpx.optimizer_step import OptimizerStep
+from fsdpx.optimizers import OPTIMIZERS
 from fsdpx.precision import torch_dtype
 
 
-def check_offload(cfg: Config, optimizer: Any) -> None:
-    """Reject offload settings fsdpx cannot honour, before anything is built.
+@dataclass(frozen=True)
+class OffloadBuild:
+    """The optimizer an offload plan needs and the step strategy the engine runs it with;
+    both None when the plan keeps the optimizer on the device (build cfg.optimizer)."""
 
-    Example::
+    optimizer: torch.optim.Optimizer | None
+    step: OptimizerStep | None
 
-        check_offload(cfg, optimizer=None)
-    """
-    opt_off, param_off = cfg.zero.offload_optimizer, cfg.zero.offload_param
-    if param_off.device == "nvme":
-        raise ValueError(
-            "zero.offload_param.device='nvme' is not supported: parameters offload to 'cpu' "
-            "only (optimizer state can go to NVMe with zero.offload_optimizer.device='nvme')"
-        )
-    if param_off.device == "cpu" and cfg.zero.stage != 3:
-        raise ValueError(
-            f"zero.offload_param needs zero.stage 3 (as in DeepSpeed), got stage "
-            f"{cfg.zero.stage}; set stage 3 or drop offload_param"
-        )
-    if opt_off.device == "nvme" and cfg.checkpoint.async_save:
-        warnings.warn(
-            "checkpoint.async_save with zero.offload_optimizer.device='nvme': checkpoints are "
-            "written synchronously, since a background save would first copy the whole "
-            "optimizer state from the swap file into host memory",
-            stacklevel=3,
-        )
-    if opt_off.device == "none" and param_off.device == "none":
-        return
-    if cfg.mesh.tp > 1 or cfg.mesh.pp > 1:
-        raise ValueError(
-            "offload (zero.offload_optimizer / zero.offload_param) is supported with data "
-            f"parallelism only, got mesh.tp={cfg.mesh.tp}, mesh.pp={cfg.mesh.pp}"
-        )
-    if optimizer is not None:
-        raise ValueError(
-            "zero.offload_optimizer / zero.offload_param run fsdpx's fused CPU Adam, built "
-            "from cfg.optimizer; pass optimizer=None and set cfg.optimizer (type 'adam' or "
-            "'adamw') instead of an optimizer callable"
-        )
-    if cfg.optimizer.type not in ("adam", "adamw"):
-        raise ValueError(
-            f"offload supports optimizer.type 'adam' and 'adamw' (the fused CPU Adam), got "
-            f"{cfg.optimizer.type!r}"
-        )
+
+def fsdp_offload_policy(plan: OffloadPlan) -> OffloadPolicy | None:
+    """FSDP2's offload policy for the plan's parameters (None: they stay on device)."""
+    if plan.params != "host":
+        return None
+    pin = host_pin(plan.param_pin_memory, section="offload_param", default=torch.cuda.is_available())
+    return CPUOffloadPolicy(pin_memory=pin)
 
 
 def offload_policy(cfg: Config) -> OffloadPolicy | None:
     """FSDP2's offload policy for zero.offload_param (None: parameters stay on device)."""
-    param_off = cfg.zero.offload_param
-    if param_off.device != "cpu":
-        return None
-    pin = host_pin(param_off.pin_memory, section="offload_param", default=torch.cuda.is_available())
-    return CPUOffloadPolicy(pin_memory=pin)
+    return fsdp_offload_policy(resolve_offload(cfg))
 
 
-def build_offload_optimizer(
-    params: list[nn.Parameter], model: nn.Module, cfg: Config, rank: int
-) -> torch.optim.Optimizer | None:
-    """The optimizer an offload setting needs, or None when offload is off.
+def build_offload(
+    plan: OffloadPlan,
+    params: list[nn.Parameter],
+    model: nn.Module,
+    optimizer: OptimizerConfig,
+    rank: int,
+) -> OffloadBuild:
+    """The optimizer (and step strategy) that `plan` needs.
 
     Args:
+        plan: from check_offload / resolve_offload.
         params: the sharded parameters that require grad.
         model: the sharded model (gradient streaming hooks, parameter casting).
-        cfg: the run's config.
+        optimizer: cfg.optimizer (an Adam type whenever the plan offloads; check_offload).
         rank: global rank (names NVMe swap files).
     Returns:
-        OffloadedAdamW, fsdpx.optim.AdamW (parameter offload), or None.
+        OffloadedAdamW with OffloadedStep, fsdpx.optim.AdamW (parameters stepped in place
+        on the host) with the engine's plain step, or nothing.
 
     Example::
 
-        opt = build_offload_optimizer(params, model, cfg, rank=0) or build_optimizer(...)
+        built = build_offload(check_offload(cfg, None), params, model, cfg.optimizer, 0)
     """
-    opt_off, param_off = cfg.zero.offload_optimizer, cfg.zero.offload_param
-    o = cfg.optimizer
-    hyper: dict[str, Any] = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    decoupled = o.type == "adamw"
-    if param_off.device == "cpu" and opt_off.device in ("none", "cpu"):
+    if plan.steps_in_place and plan.params == "device":
+        return OffloadBuild(None, None)
+    o = optimizer
+    decoupled = OPTIMIZERS[o.type].decoupled_weight_decay
+    assert decoupled is not None  # check_offload refused non-Adam optimizers
+    hyper = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if plan.steps_in_place:
         # The parameters are fp32 on the host already: step them in place.
-        return AdamW(params, decoupled_weight_decay=decoupled, **hyper)
-    if opt_off.device == "none":
-        return None
-    device_dtype = None
-    if param_off.device == "none":
-        dtype = torch_dtype(cfg.precision.param_dtype)
-        if dtype in (torch.bfloat16, torch.float16):
-            device_dtype = dtype
-    return OffloadedAdamW(
+        return OffloadBuild(AdamW(params, decoupled_weight_decay=decoupled, **hyper), None)  # type: ignore[arg-type]
+    dtype = plan.device_param_dtype
+    opt = OffloadedAdamW(
         params,
         decoupled_weight_decay=decoupled,
-        offload=opt_off,
+        offload=plan.optimizer_offload,
         model=model,
-        device_dtype=device_dtype,
+        device_dtype=torch_dtype(dtype) if dtype is not None else None,  # type: ignore[arg-type]
         rank=rank,
-        **hyper,
+        **hyper,  # type: ignore[arg-type]
     )
+    return OffloadBuild(opt, OffloadedStep(opt, params))

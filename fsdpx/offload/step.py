@@ -1,13 +1,14 @@
 """The engine's boundary step with an offloaded optimizer: unscaling and clipping become
 one factor that the fused CPU step applies while it reads each gradient, instead of two
-extra passes over the device gradients."""
+extra passes over the device gradients. The engine gets it as an
+fsdpx.optimizer_step.OptimizerStep strategy from fsdpx.shard."""
 
 from __future__ import annotations
 
 import torch
 
 from fsdpx.clip import total_grad_norm
-from fsdpx.offload.cpu import OffloadedAdamW
+from fsdpx.offload.optimizer import OffloadedAdamW
 
 
 def offloaded_step(
@@ -44,3 +45,32 @@ def offloaded_step(
         factor = float(coef) * inv_scale
     optimizer.step(inv_grad_scale=factor)
     return norm_value
+
+
+class OffloadedStep:
+    """The OptimizerStep of an OffloadedAdamW (fsdpx.optimizer_step.OptimizerStep).
+
+    Args:
+        optimizer: the offloaded optimizer.
+        params: the parameters it steps (for the gradient norm).
+
+    Example::
+
+        step = OffloadedStep(opt, params); norm = step.step(1.0, max_norm=1.0)
+    """
+
+    owns_resources = True
+
+    def __init__(self, optimizer: OffloadedAdamW, params: list[torch.nn.Parameter]) -> None:
+        self._optimizer = optimizer
+        self._params = params
+
+    def prepare_backward(self, is_boundary: bool) -> None:
+        self._optimizer.prepare_backward(is_boundary)
+
+    def step(self, inv_scale: float, max_norm: float) -> float | None:
+        # Unscaling and clipping are folded into the offloaded step's one pass.
+        return offloaded_step(self._optimizer, self._params, inv_scale, max_norm)
+
+    def close(self) -> None:
+        self._optimizer.close()

@@ -1,0 +1,117 @@
+"""The optimizer registry: every `optimizer.type` fsdpx builds, in one table.
+
+Each row says which OptimizerConfig keys the optimizer reads (config validation, and the
+DeepSpeed key table's `optimizer.params.*` rows), how to build it (fsdpx.optim's
+build_optimizer, and the measured estimator's fake run), how many bytes of state it keeps
+per local shard (the formula estimator), which DeepSpeed type names map to it, and whether
+the fused CPU Adam can run it under offload.
+
+[Note: a torch-free registry] fsdpx.config validates keys against this table and stays
+importable without torch (the DeepSpeed converter and the CLI's config checks use it), so
+this module imports torch only inside the builders, when an optimizer is really built.
+
+Example::
+
+    spec = OPTIMIZERS["adamw"]
+    opt = spec.build(list(model.parameters()), OptimizerConfig(type="adamw", lr=3e-4))
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from fsdpx.config import OptimizerConfig
+
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One row of the registry (see the module docstring)."""
+
+    keys: frozenset[str]
+    """The OptimizerConfig fields it reads; any other set away from its default is an error."""
+    build: Callable[[list[torch.nn.Parameter], OptimizerConfig], torch.optim.Optimizer]
+    """Builds torch's implementation over `params` (plain tensors, DTensors or fake ones)."""
+    state_bytes: Callable[[OptimizerConfig, int, int], int]
+    """(cfg, bytes of the local parameter shards, number of tensors) -> state bytes."""
+    deepspeed_types: tuple[str, ...]
+    """Lower-cased DeepSpeed `optimizer.type` names that become this type."""
+    decoupled_weight_decay: bool | None
+    """For Adam variants: whether weight decay is decoupled (AdamW); these are what the fused
+    CPU Adam (fsdpx.optim.AdamW, offload) runs. None: not an Adam, cannot be offloaded."""
+
+
+def _build_adam(
+    decoupled: bool,
+) -> Callable[[list[torch.nn.Parameter], OptimizerConfig], torch.optim.Optimizer]:
+    def build(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        import torch
+
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    return build
+
+
+def _build_sgd(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def _adam_state_bytes(cfg: OptimizerConfig, local_bytes: int, tensors: int) -> int:
+    return 2 * local_bytes + _FP32 * tensors  # exp_avg, exp_avg_sq; fp32 `step` per tensor
+
+
+def _sgd_state_bytes(cfg: OptimizerConfig, local_bytes: int, tensors: int) -> int:
+    return local_bytes if cfg.momentum > 0 else 0  # momentum_buffer, only with momentum
+
+
+_ADAM_KEYS = frozenset({"lr", "betas", "eps", "weight_decay"})
+
+OPTIMIZERS: Mapping[str, OptimizerSpec] = types.MappingProxyType(
+    {
+        "adamw": OptimizerSpec(
+            keys=_ADAM_KEYS,
+            build=_build_adam(decoupled=True),
+            state_bytes=_adam_state_bytes,
+            deepspeed_types=("adam", "adamw"),
+            decoupled_weight_decay=True,
+        ),
+        "adam": OptimizerSpec(
+            keys=_ADAM_KEYS,
+            build=_build_adam(decoupled=False),
+            state_bytes=_adam_state_bytes,
+            # Reached from DeepSpeed's Adam with params.adam_w_mode false (deepspeed_config).
+            deepspeed_types=(),
+            decoupled_weight_decay=False,
+        ),
+        "sgd": OptimizerSpec(
+            keys=frozenset({"lr", "momentum", "weight_decay"}),
+            build=_build_sgd,
+            state_bytes=_sgd_state_bytes,
+            deepspeed_types=("sgd",),
+            decoupled_weight_decay=None,
+        ),
+    }
+)
+"""optimizer.type -> its OptimizerSpec. Adding an optimizer is one row here (plus its name
+in OptimizerConfig.type's Literal, which tests/test_config.py checks against this table)."""
+
+OPTIMIZER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
+    {name: spec.keys for name, spec in OPTIMIZERS.items()}
+)
+"""optimizer.type -> the OptimizerConfig fields it reads (for config validation)."""
+
+OPTIMIZER_PARAM_KEYS: tuple[str, ...] = tuple(
+    dict.fromkeys(key for spec in OPTIMIZERS.values() for key in sorted(spec.keys))
+)
+"""Every OptimizerConfig field some optimizer reads (DeepSpeed's `optimizer.params.<key>`
+rows in fsdpx.deepspeed_keys)."""
