@@ -187,6 +187,10 @@ class OptimizerConfig:
     """adamw: decoupled weight decay; adam/sgd: L2 penalty added to the gradient."""
     momentum: float = 0.0
     """sgd only."""
+    bias_correction: bool = True
+    """adam/adamw only: false drops Adam's bias correction (DeepSpeed's FusedAdam
+    ``bias_correction=False``: step size lr, denominator sqrt(v) + eps). torch.optim has no
+    such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead."""
 
     def __post_init__(self) -> None:
         _check_unused(self, "optimizer", "type", _OPTIMIZER_KEYS[self.type])
@@ -205,8 +209,8 @@ class OptimizerConfig:
 # The OptimizerConfig fields each optimizer type reads (fsdpx/optim.py).
 _OPTIMIZER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
     {
-        "adamw": frozenset({"lr", "betas", "eps", "weight_decay"}),
-        "adam": frozenset({"lr", "betas", "eps", "weight_decay"}),
+        "adamw": frozenset({"lr", "betas", "eps", "weight_decay", "bias_correction"}),
+        "adam": frozenset({"lr", "betas", "eps", "weight_decay", "bias_correction"}),
         "sgd": frozenset({"lr", "momentum", "weight_decay"}),
     }
 )

@@ -100,6 +100,7 @@ def build_offload_optimizer(
     opt_off, param_off = cfg.zero.offload_optimizer, cfg.zero.offload_param
     o = cfg.optimizer
     hyper: dict[str, Any] = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    hyper["bias_correction"] = o.bias_correction
     decoupled = o.type == "adamw"
     if param_off.device == "cpu" and opt_off.device in ("none", "cpu"):
         # The parameters are fp32 on the host already: step them in place.

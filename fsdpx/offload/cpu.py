@@ -110,6 +110,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         decoupled_weight_decay: bool = True,
+        bias_correction: bool = True,
         offload: OffloadConfig,
         model: nn.Module | None = None,
         device_dtype: torch.dtype | None = None,
@@ -127,6 +128,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             amsgrad=False,
             maximize=False,
             decoupled_weight_decay=decoupled_weight_decay,
+            bias_correction=bias_correction,
         )
         super().__init__(params, defaults)
         self.offload = offload
@@ -302,6 +304,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
                     decoupled_weight_decay=group["decoupled_weight_decay"],
+                    bias_correction=group.get("bias_correction", True),
                     inv_grad_scale=inv_grad_scale,
                     param_copies=[s.copy_host for s in bucket]  # type: ignore[misc]
                     if bucket[0].copy_host is not None

@@ -178,6 +178,7 @@ class NvmeState:
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
+            bias_correction=group.get("bias_correction", True),
             inv_grad_scale=inv_grad_scale,
             param_copies=views(bufs.extra["copy"]) if self._copy else None,
         )
