@@ -14,9 +14,9 @@ Each key is a dotted path into DeepSpeed's JSON config and has one rule:
   and are accepted (reported as ignored: "feature off").
 
 A key that is in no rule is an unknown-key error with a did-you-mean. The table covers every
-key DeepSpeed DEEPSPEED_VERSION accepts (tests/data/deepspeed_<version>_keys.json, extracted
-from DeepSpeed's config classes by scripts/extract_deepspeed_keys.py; the rows for features
-fsdpx does not have are in fsdpx.deepspeed_keys_more). The rules follow
+key DeepSpeed 0.19.8 (DEEPSPEED_VERSION) accepts: tests/data/deepspeed_0.19.8_keys.json,
+extracted from DeepSpeed's config classes by scripts/extract_deepspeed_keys.py. The rows for
+features fsdpx does not have are in fsdpx.deepspeed_keys_more. The rules follow
 DeepSpeed's config documentation (deepspeed.ai/docs/config-json) and its runtime
 (deepspeed/runtime/config.py, zero/config.py, zero/offload_config.py, lr_schedules.py).
 """
