@@ -185,6 +185,11 @@ def more_rules() -> dict[str, Rule]:
             "read only with vocab_parallel_lm_head, which fsdpx refuses", _NA
         ),
         # --- ZeRO -----------------------------------------------------------------------
+        "allgather_size": _ignored(
+            "all-gather bucket size of the old boolean zero_optimization form; FSDP2 "
+            "communicates one fully_shard unit (block) at a time",
+            _FSDP2,
+        ),
         "zero_optimization.allgather_sequential": _ignored(
             "order of DeepSpeed's stage-3 all-gathers; FSDP2 all-gathers per block", _FSDP2
         ),

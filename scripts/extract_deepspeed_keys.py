@@ -65,8 +65,8 @@ Path = tuple[str, ...]
 
 LOOKUPS: set[Path] = set()
 """Every (path + key) DeepSpeed looked up."""
-UNPACKED: list[Path] = []
-"""Paths of the recording dicts iterated (``**block``), most recent last."""
+UNPACKED: list[tuple[Path, frozenset[str]]] = []
+"""(path, keys) of the recording dicts iterated (``**block``), most recent last."""
 MOUNTS: dict[type, set[Path]] = {}
 """Pydantic model -> paths of the blocks it was built from."""
 
@@ -107,7 +107,7 @@ class RecDict(dict):  # type: ignore[type-arg]
         return super().pop(key, *default)
 
     def keys(self) -> Any:
-        UNPACKED.append(self.path)
+        UNPACKED.append((self.path, frozenset(dict.keys(self))))
         return RecKeys(self)
 
     def __iter__(self) -> Any:
@@ -125,7 +125,7 @@ class RecKeys:
         self.owner = owner
 
     def __contains__(self, key: Any) -> bool:
-        if UNPACKED and UNPACKED[-1] == self.owner.path:
+        if UNPACKED and UNPACKED[-1][0] == self.owner.path:
             UNPACKED.pop()  # a membership test, not a `**block`
         return self.owner.__contains__(key)
 
@@ -151,12 +151,17 @@ _orig_init = DeepSpeedConfigModel.__init__
 def _recording_init(self: Any, strict: bool = False, **data: Any) -> None:
     # The block a model is built from: the parent of its values' paths when they are
     # blocks themselves (DeepSpeedMonitorConfig(**{"tensorboard": block, ...})), else the
-    # block unpacked last (Model(**block)).
-    parents = {v.path[:-1] for v in data.values() if isinstance(v, RecDict)}
+    # block unpacked last (Model(**block)) when it holds exactly these keys (a model built
+    # from a dict DeepSpeed assembled itself is mounted nowhere).
+    parents = {
+        v.path[:-1] for k, v in data.items() if isinstance(v, RecDict) and v.path[-1:] == (k,)
+    }
     if len(parents) == 1:
         MOUNTS.setdefault(type(self), set()).add(parents.pop())
-    elif UNPACKED:
-        MOUNTS.setdefault(type(self), set()).add(UNPACKED[-1])
+    elif UNPACKED and UNPACKED[-1][0] and UNPACKED[-1][1] == frozenset(data):
+        # (Never the root this way: DeepSpeed builds default models from `{}` right after
+        # iterating the root's keys, and only the monitor models sit at the root.)
+        MOUNTS.setdefault(type(self), set()).add(UNPACKED[-1][0])
     UNPACKED.clear()
     _orig_init(self, strict=strict, **data)
 
@@ -229,9 +234,11 @@ def _probe_all() -> None:
         for path in todo:
             tried.add(path)
             # A non-empty block too: some readers return early on an empty one
-            # (expert_parallel); {"enabled": False} changes nothing else.
+            # (expert_parallel); {"enabled": False} changes nothing else. True last: some
+            # keys have an old boolean form read differently (zero_optimization: true reads
+            # the top-level allgather_size).
             values: list[Any] = (
-                [True] if path[-1] in ("enabled", "enable") else [{}, {"enabled": False}]
+                [True] if path[-1] in ("enabled", "enable") else [{}, {"enabled": False}, True]
             )
             for value in values:
                 candidate = copy.deepcopy(probe)
