@@ -188,6 +188,10 @@ class OptimizerConfig:
     """adamw: decoupled weight decay; adam/sgd: L2 penalty added to the gradient."""
     momentum: float = 0.0
     """sgd only."""
+    bias_correction: bool = True
+    """adam/adamw only: false drops Adam's bias correction (DeepSpeed's FusedAdam
+    ``bias_correction=False``: step size lr, denominator sqrt(v) + eps). torch.optim has no
+    such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead."""
 
     def __post_init__(self) -> None:
         _check_unused(self, "optimizer", "type", OPTIMIZER_KEYS[self.type])

@@ -65,6 +65,7 @@ def group_adam_step(
         weight_decay=group["weight_decay"],
         decoupled_weight_decay=group["decoupled_weight_decay"],
         maximize=group["maximize"],
+        bias_correction=group.get("bias_correction", True),
         inv_grad_scale=inv_grad_scale,
         param_copies=param_copies,
     )
@@ -79,6 +80,7 @@ def adamw_defaults(
     amsgrad: bool,
     maximize: bool,
     decoupled_weight_decay: bool,
+    bias_correction: bool = True,
 ) -> dict[str, Any]:
     """Checked hyperparameters of an AdamW param group (shared by AdamW and
     fsdpx.offload.OffloadedAdamW, whose state dicts have the same layout).
@@ -103,6 +105,7 @@ def adamw_defaults(
         amsgrad=amsgrad,
         maximize=maximize,
         decoupled_weight_decay=decoupled_weight_decay,
+        bias_correction=bias_correction,
     )
 
 
@@ -122,6 +125,10 @@ class AdamW(torch.optim.Optimizer):
         params: parameters or parameter groups, as for any torch optimizer.
         lr, betas, eps, weight_decay, amsgrad, maximize: as in torch.optim.AdamW.
         decoupled_weight_decay: True (AdamW); False gives Adam's L2 penalty.
+        bias_correction: False drops Adam's bias correction (DeepSpeed's FusedAdam
+            ``bias_correction=False``). torch's Adam cannot, so such a group goes through
+            `adam_step` on every device (its CUDA kernel, or its pure-PyTorch reference where
+            no kernel is loaded); its tensors must be fp32 and contiguous (a ValueError if not).
 
     Example::
 
@@ -140,6 +147,7 @@ class AdamW(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         decoupled_weight_decay: bool = True,
+        bias_correction: bool = True,
     ) -> None:
         defaults = adamw_defaults(
             lr=lr,
@@ -149,6 +157,7 @@ class AdamW(torch.optim.Optimizer):
             amsgrad=amsgrad,
             maximize=maximize,
             decoupled_weight_decay=decoupled_weight_decay,
+            bias_correction=bias_correction,
         )
         super().__init__(params, defaults)
 
@@ -160,6 +169,7 @@ class AdamW(torch.optim.Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", True)
+            group.setdefault("bias_correction", True)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -195,6 +205,7 @@ class AdamW(torch.optim.Optimizer):
                             p, memory_format=torch.preserve_format
                         )
                 on_native = native and _native_fits(p, p.grad, state, group["amsgrad"])
+                on_native = on_native or not group["bias_correction"]
                 (fused if on_native else torch_side).add(p, state, group["amsgrad"])
             if fused.params:
                 self._native_step(group, fused)

@@ -54,6 +54,19 @@ def _build_adam(
     def build(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
         import torch
 
+        if not cfg.bias_correction:
+            # torch.optim has no bias_correction switch; the fused op has (fsdpx.optim.AdamW).
+            from fsdpx.optim import AdamW
+
+            return AdamW(
+                params,
+                lr=cfg.lr,
+                betas=cfg.betas,
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                decoupled_weight_decay=decoupled,
+                bias_correction=False,
+            )
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -74,7 +87,7 @@ def _sgd_state_bytes(cfg: OptimizerConfig, local_bytes: int, tensors: int) -> in
     return local_bytes if cfg.momentum > 0 else 0  # momentum_buffer, only with momentum
 
 
-_ADAM_KEYS = frozenset({"lr", "betas", "eps", "weight_decay"})
+_ADAM_KEYS = frozenset({"lr", "betas", "eps", "weight_decay", "bias_correction"})
 
 OPTIMIZERS: Mapping[str, OptimizerSpec] = types.MappingProxyType(
     {
@@ -114,4 +127,4 @@ OPTIMIZER_PARAM_KEYS: tuple[str, ...] = tuple(
     dict.fromkeys(key for spec in OPTIMIZERS.values() for key in sorted(spec.keys))
 )
 """Every OptimizerConfig field some optimizer reads (DeepSpeed's `optimizer.params.<key>`
-rows in fsdpx.deepspeed_keys)."""
+rows in fsdpx.deepspeed._keys)."""

@@ -279,7 +279,7 @@ def test_scheduler_warmup_boundaries_pass() -> None:
             "optimizer",
             {"momentum": 0.9},
             r"^config key 'optimizer\.momentum' \(0\.9\) set, but optimizer\.type 'adamw' does "
-            r"not read it; 'adamw' reads: betas, eps, lr, weight_decay\.",
+            r"not read it; 'adamw' reads: betas, bias_correction, eps, lr, weight_decay\.",
         ),
         (
             "optimizer",

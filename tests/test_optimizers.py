@@ -6,9 +6,9 @@ import typing
 
 import pytest
 import torch
-from fsdpx.deepspeed_keys import DS_KEYS, OPTIMIZER_TYPES
 
 from fsdpx.config import OptimizerConfig
+from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES
 from fsdpx.optim import build_optimizer
 from fsdpx.optimizers import OPTIMIZER_PARAM_KEYS, OPTIMIZERS
 

@@ -37,6 +37,9 @@ ABSENT = "<absent>"
 DERIVED = "<derived>"
 """The value shown for a batch key the file leaves out and the batch rule derives."""
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
+_ONEBIT = " (1-bit optimizers are not implemented yet; or use optimizer type Adam/AdamW)"
+_NOT_YET = {"onebitadam": _ONEBIT, "zerooneadam": _ONEBIT, "onebitlamb": _ONEBIT}
+"""DeepSpeed optimizer types fsdpx plans to build (lower-cased) -> what the refusal adds."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ class _Translator:
             self._map("zero_optimization.stage", "zero.stage", stage, note)
         for legacy, block in (
             ("cpu_offload", "offload_optimizer"),
+            ("cpu_offload_param", "offload_param"),
             ("cpu_offload_params", "offload_param"),
         ):
             key = f"zero_optimization.{legacy}"
@@ -262,7 +266,8 @@ class _Translator:
                 "refused",
                 f"optimizer type {raw!r} is not built into fsdpx; pass optimizer=callable to "
                 "fsdpx.shard, e.g. fsdpx.shard(model, cfg, optimizer=lambda params: "
-                "MyOptimizer(params, lr=...)), and remove the optimizer block",
+                "MyOptimizer(params, lr=...)), and remove the optimizer block"
+                + _NOT_YET.get(str(raw).lower(), ""),
             )
             return
         w_mode = self.leaves.get("optimizer.params.adam_w_mode", True)

@@ -13,7 +13,10 @@ Each key is a dotted path into DeepSpeed's JSON config and has one rule:
   the key and ``note`` (what to use instead). Values in ``accept`` leave the feature off
   and are accepted (reported as ignored: "feature off").
 
-A key that is in no rule is an unknown-key error with a did-you-mean. The rules follow
+A key that is in no rule is an unknown-key error with a did-you-mean. The table covers every
+key DeepSpeed 0.19.8 (DEEPSPEED_VERSION) accepts: tests/data/deepspeed_0.19.8_keys.json,
+extracted from DeepSpeed's config classes by scripts/extract_deepspeed_keys.py. The rows for
+features fsdpx does not have are in fsdpx.deepspeed._keys_more. The rules follow
 DeepSpeed's config documentation (deepspeed.ai/docs/config-json) and its runtime
 (deepspeed/runtime/config.py, zero/config.py, zero/offload_config.py, lr_schedules.py).
 """
@@ -26,9 +29,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fsdpx.config import SCHEDULER_KEYS
+from fsdpx.deepspeed._keys_more import more_rules
 from fsdpx.optimizers import OPTIMIZER_PARAM_KEYS, OPTIMIZERS
 
 Action = Literal["section", "mapped", "ignored", "refused"]
+
+DEEPSPEED_VERSION = "0.19.8"
+"""The DeepSpeed release whose config keys the table covers (tests/test_deepspeed_keys_cover.py)."""
 
 # Short reasons for the one-line summary; `note` carries the long one for `explain`.
 FSDP2_DOES_IT = "FSDP2 manages this itself"
@@ -248,6 +255,8 @@ def _table() -> dict[str, KeyRule]:
         ),
         "bfloat16": _section("old name of the bf16 block"),
         "bfloat16.enabled": _mapped("as bf16.enabled"),
+        "bfloat16.immediate_grad_update": _ignored("as bf16.immediate_grad_update", FSDP2_DOES_IT),
+        "compile": _section("DeepSpeed 0.19.8: DeepCompile options"),
         # --- ZeRO -----------------------------------------------------------------------
         "zero_optimization": _section("-> zero (true/false: stage 1/0, as in DeepSpeed)"),
         "zero_optimization.stage": _mapped(
@@ -264,9 +273,10 @@ def _table() -> dict[str, KeyRule]:
         "zero_optimization.cpu_offload": _mapped(
             "old spelling: true -> zero.offload_optimizer.device = cpu"
         ),
-        "zero_optimization.cpu_offload_params": _mapped(
+        "zero_optimization.cpu_offload_param": _mapped(
             "old spelling: true -> zero.offload_param.device = cpu"
         ),
+        "zero_optimization.cpu_offload_params": _mapped("as cpu_offload_param"),
         "zero_optimization.cpu_offload_use_pin_memory": _mapped(
             "old spelling: -> pin_memory of the cpu offloads"
         ),
@@ -422,9 +432,9 @@ def _table() -> dict[str, KeyRule]:
                 "torch.optim.AdamW(p, amsgrad=True, ...) to fsdpx.shard",
                 False,
             ),
-            "optimizer.params.bias_correction": _refused(
-                "the built-in Adam always corrects bias; pass optimizer=callable to fsdpx.shard",
-                True,
+            "optimizer.params.bias_correction": _mapped(
+                "false: Adam without bias correction (fsdpx.optim.AdamW's fused adam_step)",
+                "optimizer.bias_correction",
             ),
             "optimizer.params.dampening": _refused(
                 "SGD dampening is not in the built-in optimizer; pass optimizer=lambda p: "
@@ -526,6 +536,9 @@ def _table() -> dict[str, KeyRule]:
                 f"{block} output is produced from the telemetry log by `fsdpx-monitor export`",
                 MONITOR_OUT,
             )
+    more = more_rules()
+    assert not set(more) & set(t), f"rows defined twice: {sorted(set(more) & set(t))}"
+    t.update({k: KeyRule(r.action, r.note, tag=r.tag, accept=r.accept) for k, r in more.items()})  # type: ignore[arg-type]
     return t
 
 

@@ -34,7 +34,9 @@ def fsdp_offload_policy(plan: OffloadPlan) -> OffloadPolicy | None:
     """FSDP2's offload policy for the plan's parameters (None: they stay on device)."""
     if plan.params != "host":
         return None
-    pin = host_pin(plan.param_pin_memory, section="offload_param", default=torch.cuda.is_available())
+    pin = host_pin(
+        plan.param_pin_memory, section="offload_param", default=torch.cuda.is_available()
+    )
     return CPUOffloadPolicy(pin_memory=pin)
 
 
@@ -72,6 +74,7 @@ def build_offload(
     decoupled = OPTIMIZERS[o.type].decoupled_weight_decay
     assert decoupled is not None  # check_offload refused non-Adam optimizers
     hyper = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    hyper["bias_correction"] = o.bias_correction
     if plan.steps_in_place:
         # The parameters are fp32 on the host already: step them in place.
         return OffloadBuild(AdamW(params, decoupled_weight_decay=decoupled, **hyper), None)  # type: ignore[arg-type]

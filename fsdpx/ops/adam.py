@@ -11,7 +11,10 @@ csrc/cuda/adam.cu (CUDA); without them the pure-PyTorch reference below runs, bi
 Scalars are computed in double (Python floats) and rounded to fp32 once each:
 grad_scale = inv_grad_scale (negated for maximize), decay = 1 - lr * weight_decay (AdamW;
 1 for Adam), step_size = lr / (1 - beta1**step), inv_bc2_sqrt = 1 / sqrt(1 - beta2**step),
-and 1 - beta1, 1 - beta2. Then, per element, each operation rounded to fp32 (no FMA):
+and 1 - beta1, 1 - beta2. With bias_correction=False (DeepSpeed FusedAdam's
+``bias_correction=False``; torch has no such option) both corrections are 1: step_size = lr
+and inv_bc2_sqrt = 1, so step 7 is exactly sqrt(v_hat) + eps. Then, per element, each operation rounded to
+fp32 (no FMA):
 
     1  g = float(grad) * grad_scale
     2  g = g + p * weight_decay                        (Adam only: L2, when weight_decay != 0)
@@ -75,7 +78,10 @@ def _scalars(
     decoupled_weight_decay: bool,
     maximize: bool,
     inv_grad_scale: float,
+    bias_correction: bool = True,
 ) -> _Scalars:
+    bc1 = 1.0 - math.pow(beta1, step) if bias_correction else 1.0
+    bc2 = 1.0 - math.pow(beta2, step) if bias_correction else 1.0
     return _Scalars(
         # Negating before or after the rounding to fp32 gives the same bits (RNE is symmetric).
         grad_scale=-inv_grad_scale if maximize else inv_grad_scale,
@@ -86,8 +92,8 @@ def _scalars(
         one_minus_beta1=1.0 - beta1,
         beta2=beta2,
         one_minus_beta2=1.0 - beta2,
-        step_size=lr / (1.0 - math.pow(beta1, step)),
-        inv_bc2_sqrt=1.0 / math.sqrt(1.0 - math.pow(beta2, step)),
+        step_size=lr / bc1,
+        inv_bc2_sqrt=1.0 / math.sqrt(bc2),
         eps=eps,
     )
 
@@ -110,6 +116,7 @@ def adam_step_reference(
     maximize: bool = False,
     inv_grad_scale: float = 1.0,
     check_finite: bool = False,
+    bias_correction: bool = True,
 ) -> torch.Tensor:
     """The pure-PyTorch definition of `adam_step` (same arguments as the op; plain local
     tensors on any device). Follows the order in [Note: the Adam formula order] line by line.
@@ -128,6 +135,7 @@ def adam_step_reference(
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
         inv_grad_scale=inv_grad_scale,
+        bias_correction=bias_correction,
     )
     device = params[0].device if params else torch.device("cpu")
     if check_finite:
@@ -264,6 +272,7 @@ def adam_step(
     param_copies: Sequence[torch.Tensor] | None = None,
     inv_grad_scale: float = 1.0,
     check_finite: bool = False,
+    bias_correction: bool = True,
 ) -> torch.Tensor:
     """One fused Adam (or AdamW) step over every tensor, in place; see the module docstring.
 
@@ -278,6 +287,8 @@ def adam_step(
         param_copies: bf16/fp16 tensors that receive the updated params (None: no copy).
         inv_grad_scale: the gradients are multiplied by it first (1 / loss scale).
         check_finite: first check every unscaled gradient; on inf/NaN write nothing.
+        bias_correction: False drops Adam's bias correction (DeepSpeed's
+            ``bias_correction: false``): step_size = lr, inv_bc2_sqrt = 1.
 
     Returns:
         A 0-dim bool tensor on the params' device: True when check_finite found a
@@ -308,6 +319,7 @@ def adam_step(
         maximize=maximize,
         inv_grad_scale=float(inv_grad_scale),
         check_finite=check_finite,
+        bias_correction=bias_correction,
     )
     args = (local_params, grads_l, states["exp_avgs"], states["exp_avg_sqs"])
     extra = (states["max_exp_avg_sqs"], copies)

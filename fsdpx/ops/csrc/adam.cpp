@@ -202,10 +202,11 @@ at::Tensor adam_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
                          at::TensorList param_copies, double lr, double beta1, double beta2,
                          double eps, double weight_decay, int64_t step,
                          bool decoupled_weight_decay, bool maximize, double inv_grad_scale,
-                         bool check_finite) {
+                         bool check_finite, bool bias_correction) {
   check_inputs(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, step);
   const Scalars s = make_scalars(lr, beta1, beta2, eps, weight_decay, step,
-                                 decoupled_weight_decay, maximize, inv_grad_scale);
+                                 decoupled_weight_decay, maximize, inv_grad_scale,
+                                 bias_correction);
   at::Tensor found_inf = at::empty({}, at::TensorOptions().dtype(at::kBool));
   bool finite = true;
   // A separate read-only pass over every gradient first: the flag must be known before any

@@ -26,14 +26,14 @@ struct Scalars {
   float one_minus_beta1;
   float beta2;
   float one_minus_beta2;
-  float step_size;  // lr / (1 - beta1^step)
-  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step): a multiply where torch divides
+  float step_size;  // lr / (1 - beta1^step); lr without bias correction
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step): a multiply where torch divides; 1 without
   float eps;
 };
 
 inline Scalars make_scalars(double lr, double beta1, double beta2, double eps,
                             double weight_decay, int64_t step, bool decoupled, bool maximize,
-                            double inv_grad_scale) {
+                            double inv_grad_scale, bool bias_correction) {
   Scalars s;
   // Negating the rounded factor equals negating the product: round-to-nearest is symmetric.
   const float scale = static_cast<float>(inv_grad_scale);
@@ -46,8 +46,12 @@ inline Scalars make_scalars(double lr, double beta1, double beta2, double eps,
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   const double steps = static_cast<double>(step);
-  s.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, steps)));
-  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, steps)));
+  // Without bias correction both corrections are 1: sqrt(v) * 1 + eps is exactly
+  // sqrt(v) + eps, so the element math below needs no second variant.
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, steps) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, steps) : 1.0;
+  s.step_size = static_cast<float>(lr / bc1);
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   s.eps = static_cast<float>(eps);
   return s;
 }

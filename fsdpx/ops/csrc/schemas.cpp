@@ -9,13 +9,14 @@ TORCH_LIBRARY(fsdpx, m) {
   // fsdpx/ops/adam.py. Lists are per tensor (one entry per parameter); an empty
   // max_exp_avg_sqs means no amsgrad, an empty param_copies means no 16-bit copy-out.
   // Returns a 0-dim bool tensor: True when check_finite found a non-finite gradient, in
-  // which case nothing was written.
+  // which case nothing was written. bias_correction=False drops Adam's bias correction
+  // (DeepSpeed FusedAdam's bias_correction=False: step size lr, denominator sqrt(v) + eps).
   m.def(
       "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] param_copies, *, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
       "bool decoupled_weight_decay=True, bool maximize=False, float inv_grad_scale=1.0, "
-      "bool check_finite=False) -> Tensor");
+      "bool check_finite=False, bool bias_correction=True) -> Tensor");
 
   // fsdpx/ops/quant.py. Blockwise symmetric quantization of x.reshape(-1): returns q (x's
   // shape, int8 / float8_e4m3fn) and one float32 scale per block_size elements.

@@ -238,12 +238,13 @@ at::Tensor adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
                           at::TensorList param_copies, double lr, double beta1, double beta2,
                           double eps, double weight_decay, int64_t step,
                           bool decoupled_weight_decay, bool maximize, double inv_grad_scale,
-                          bool check_finite) {
+                          bool check_finite, bool bias_correction) {
   TORCH_CHECK(!params.empty(), "fsdpx.adam_step (CUDA): needs at least one parameter");
   check_inputs(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, step);
   const c10::cuda::CUDAGuard guard(params[0].device());
   const Scalars s = make_scalars(lr, beta1, beta2, eps, weight_decay, step,
-                                 decoupled_weight_decay, maximize, inv_grad_scale);
+                                 decoupled_weight_decay, maximize, inv_grad_scale,
+                                 bias_correction);
   at::Tensor flag = at::zeros({}, params[0].options().dtype(at::kInt));
   int* skip = nullptr;
   if (check_finite) {
