@@ -29,8 +29,19 @@ def test_build_optimizer_uses_the_row(kind: str, cls: type) -> None:
     opt = build_optimizer([p], cfg)
     assert type(opt) is cls
     group = opt.param_groups[0]
-    for key in OPTIMIZERS[kind].keys:
+    # bias_correction picks the class (True: torch's), it is not a torch group key.
+    for key in OPTIMIZERS[kind].keys - {"bias_correction"}:
         assert group[key] == getattr(cfg, key), key
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam"])
+def test_no_bias_correction_builds_the_fused_adam(kind: str) -> None:
+    from fsdpx.optim import AdamW
+
+    cfg = OptimizerConfig(type=kind, bias_correction=False)  # type: ignore[arg-type]
+    opt = build_optimizer([torch.nn.Parameter(torch.ones(3))], cfg)
+    assert type(opt) is AdamW and opt.param_groups[0]["bias_correction"] is False
+    assert opt.param_groups[0]["decoupled_weight_decay"] is (kind == "adamw")
 
 
 def test_state_bytes_match_a_real_step() -> None:
@@ -54,7 +65,14 @@ def test_state_bytes_match_a_real_step() -> None:
 
 def test_deepspeed_table_reads_the_registry() -> None:
     assert dict(OPTIMIZER_TYPES) == {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
-    assert set(OPTIMIZER_PARAM_KEYS) == {"lr", "betas", "eps", "weight_decay", "momentum"}
+    assert set(OPTIMIZER_PARAM_KEYS) == {
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "momentum",
+        "bias_correction",
+    }
     for key in OPTIMIZER_PARAM_KEYS:
         assert DS_KEYS[f"optimizer.params.{key}"].target == f"optimizer.{key}"
 
