@@ -47,7 +47,7 @@ _EXPORTS = {
     "estimate_memory": "fsdpx.estimate",
     "init_distributed": "fsdpx.distributed",
     "per_param_init": "fsdpx.materialize",
-    "shard": "fsdpx.shard",
+    "shard": "fsdpx.sharding",
     "total_grad_norm": "fsdpx.clip",
 }
 
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from fsdpx.estimate import MemoryEstimate, estimate_memory
     from fsdpx.materialize import per_param_init
     from fsdpx.parallel_dims import Axis, ParallelDims
-    from fsdpx.shard import shard
+    from fsdpx.sharding import shard
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,8 @@ an edge to each package above it. A cycle is printed as `a -> b -> ... -> a`.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import fsdpx
@@ -170,7 +172,7 @@ def test_graph_reads_the_package() -> None:
     graph = import_graph()
     # Edges the package is known to have (so an empty or broken parse cannot pass).
     assert "fsdpx.config" in graph["fsdpx.estimate"]
-    assert "fsdpx.offload" in graph["fsdpx.shard"]
+    assert "fsdpx.offload" in graph["fsdpx.sharding"]
     # A function-level import is not a load-time edge: estimate imports measure_memory lazily.
     assert "fsdpx.estimate_measured" not in graph["fsdpx.estimate"]
 
@@ -181,3 +183,19 @@ def test_no_import_cycle_in_fsdpx() -> None:
     assert not unknown, "import cycles between fsdpx modules:\n" + "\n".join(
         " -> ".join(c) for c in unknown
     )
+
+
+def test_importing_every_module_keeps_the_public_functions() -> None:
+    """A submodule named like a public function (fsdpx/shard.py once) replaces the
+    function as a package attribute once something imports the submodule directly."""
+    code = (
+        "import importlib, pkgutil, fsdpx\n"
+        "for m in pkgutil.walk_packages(fsdpx.__path__, 'fsdpx.'):\n"
+        "    if not m.name.startswith('fsdpx.demo.train'):\n"
+        "        importlib.import_module(m.name)\n"
+        "bad = [n for n in fsdpx.__all__ if type(getattr(fsdpx, n)).__name__ == 'module']\n"
+        "print(bad)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -38,7 +38,7 @@ from fsdpx.deepspeed._params import (
     resolve_groups,
 )
 from fsdpx.optim import build_optimizer
-from fsdpx.shard import shard
+from fsdpx.sharding import shard
 
 log = logging.getLogger("fsdpx.deepspeed")
 

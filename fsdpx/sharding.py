@@ -4,6 +4,12 @@ It checks the arguments, starts the process group, builds the mesh, hands the mo
 the parallelize recipe (fsdpx/parallelize.py: TP -> AC -> compile -> FSDP per part, then
 materialisation), then builds the optimizer, scheduler, loss scaler and telemetry around
 the sharded model and returns the Engine.
+
+[Note: a module not named shard] The function is `fsdpx.shard`, resolved lazily by
+fsdpx/__init__.py. A submodule `fsdpx/shard.py` would be bound as the package attribute
+`fsdpx.shard` by Python's import system whenever anything imported it directly, shadowing
+the function (`fsdpx.shard(model, cfg)` -> "'module' object is not callable"), so the
+module has another name.
 """
 
 from __future__ import annotations
