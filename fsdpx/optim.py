@@ -16,9 +16,10 @@ from fsdpx.optimizers import OPTIMIZERS
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], cfg: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """The optimizer `cfg.type` over `params`: the builder of its row in
+    """The optimizer `cfg.type` over `params` (parameters, or parameter groups whose own
+    options override cfg's): the builder of its row in
     fsdpx.optimizers.OPTIMIZERS (torch's implementation, which picks its fused or foreach
     kernel for the parameters' device).
 

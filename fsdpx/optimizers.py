@@ -21,7 +21,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -31,13 +31,18 @@ if TYPE_CHECKING:
 _FP32 = 4
 
 
+# Parameters, or parameter groups (dicts with "params" and per-group options), as any
+# torch optimizer takes them.
+ParamsOrGroups = list[Any]
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """One row of the registry (see the module docstring)."""
 
     keys: frozenset[str]
     """The OptimizerConfig fields it reads; any other set away from its default is an error."""
-    build: Callable[[list[torch.nn.Parameter], OptimizerConfig], torch.optim.Optimizer]
+    build: Callable[[ParamsOrGroups, OptimizerConfig], torch.optim.Optimizer]
     """Builds torch's implementation over `params` (plain tensors, DTensors or fake ones)."""
     state_bytes: Callable[[OptimizerConfig, int, int], int]
     """(cfg, bytes of the local parameter shards, number of tensors) -> state bytes."""
@@ -50,8 +55,8 @@ class OptimizerSpec:
 
 def _build_adam(
     decoupled: bool,
-) -> Callable[[list[torch.nn.Parameter], OptimizerConfig], torch.optim.Optimizer]:
-    def build(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+) -> Callable[[ParamsOrGroups, OptimizerConfig], torch.optim.Optimizer]:
+    def build(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         import torch
 
         if not cfg.bias_correction:
@@ -73,7 +78,7 @@ def _build_adam(
     return build
 
 
-def _build_sgd(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def _build_sgd(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     import torch
 
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

@@ -277,7 +277,9 @@ class DeepSpeedEngine(nn.Module):
         self._report(self.global_steps)
         return loss
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the parameters' gradients (DeepSpeed sets them to None; so does this,
+        whatever set_to_none says, since a zeroed sharded gradient holds memory for nothing)."""
         for param in self.module.parameters():
             param.grad = None
 

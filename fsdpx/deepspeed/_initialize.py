@@ -128,7 +128,7 @@ def _read_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
         )
     if not isinstance(config, Mapping | str | os.PathLike):
         raise ValueError(f"config must be a dict or a path; got {type(config).__name__}")
-    return load_deepspeed_config(config)[0]
+    return load_deepspeed_config(config if isinstance(config, Mapping) else Path(config))[0]
 
 
 def _optimizer_and_scheduler(
