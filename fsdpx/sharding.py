@@ -29,6 +29,7 @@ from fsdpx.offload import build_offload, check_offload
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.parallelize import parallelize
+from fsdpx.param_groups import name_groups, resolve_groups
 from fsdpx.precision import build_loss_scaler
 from fsdpx.schedulers import build_scheduler
 from fsdpx.telemetry.start import start_telemetry
@@ -45,6 +46,7 @@ def shard(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    param_groups: Any = None,
 ) -> Engine:
     """Shard `model` in place as `cfg` says and return the training engine.
 
@@ -60,6 +62,12 @@ def shard(
             wrap an optimizer the engine does not use).
         loss_fn: `loss_fn(outputs, targets)` used by engine.train_batch.
         init_fn: initialises a meta-built model after materialisation.
+        param_groups: parameter groups as a torch optimizer takes them, over `model`'s
+            parameters as passed (before sharding), e.g. `[{"params": decay}, {"params":
+            norms, "weight_decay": 0.0}]`: the optimizer (built from cfg.optimizer, the
+            offloaded one, or your callable) gets the sharded parameters in the same
+            groups with the same options ([Note: parameters across sharding] in
+            fsdpx/param_groups.py). None: one group of every parameter that requires grad.
     Returns:
         The Engine (engine.module is `model`, now sharded).
 
@@ -89,6 +97,7 @@ def shard(
             "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=100)`"
         )
     offload = check_offload(cfg, optimizer)
+    named_groups = name_groups(model, param_groups) if param_groups is not None else None
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
     mesh = dims.build_mesh(info.device.type)
@@ -107,10 +116,13 @@ def shard(
     sharded = cast(FSDPModule, built.module)
 
     params = [p for p in cast(nn.Module, sharded).parameters() if p.requires_grad]
-    offloaded = build_offload(offload, params, model, cfg.optimizer, info.rank)
+    groups: list[Any] = params
+    if named_groups is not None:
+        groups = resolve_groups(cast(nn.Module, sharded), named_groups, partial=dims.pp > 1)
+    offloaded = build_offload(offload, groups, model, cfg.optimizer, info.rank)
     opt = offloaded.optimizer
     if opt is None:
-        opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
+        opt = optimizer(groups) if callable(optimizer) else build_optimizer(groups, cfg.optimizer)
     try:
         sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
         return Engine(

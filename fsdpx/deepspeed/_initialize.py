@@ -5,7 +5,7 @@ translates it with `Config.from_deepspeed`, shards the model with `fsdpx.shard` 
 gives every rank rank 0's initial weights, as DeepSpeed's broadcast does) and wraps the
 native engine in `DeepSpeedEngine`. What the script built before the call — parameter
 groups, an optimizer, a scheduler — is carried onto the sharded parameters by name
-([Note: parameters across sharding] in _params.py).
+([Note: parameters across sharding] in fsdpx/param_groups.py).
 
 Optimizer choice follows DeepSpeed: an `optimizer=` argument (instance or callable)
 overrides the config's "optimizer" section; with neither there is no optimizer, which
@@ -30,14 +30,7 @@ from torch import nn
 from fsdpx.config import Config
 from fsdpx.deepspeed._engine import DeepSpeedEngine
 from fsdpx.deepspeed._json import load_deepspeed_config
-from fsdpx.deepspeed._params import (
-    group_options_differ,
-    name_groups,
-    optimizer_groups,
-    rebind_optimizer_,
-    resolve_groups,
-)
-from fsdpx.optim import build_optimizer
+from fsdpx.param_groups import optimizer_groups, rebind_optimizer_, resolve_groups
 from fsdpx.sharding import shard
 
 log = logging.getLogger("fsdpx.deepspeed")
@@ -86,11 +79,11 @@ def initialize(
     _show_info_logs()
     ds_config = _read_config(args, config, config_params)
     cfg = Config.from_deepspeed(ds_config)
-    groups = name_groups(model, model_parameters)
-    opt_arg, sched_arg = _optimizer_and_scheduler(
-        model, ds_config, cfg, groups, optimizer, lr_scheduler
-    )
-    engine = shard(model, cfg, optimizer=opt_arg, lr_scheduler=sched_arg)
+    opt_arg, sched_arg = _optimizer_and_scheduler(model, ds_config, cfg, optimizer, lr_scheduler)
+    groups = model_parameters
+    if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is None:
+        groups = None  # an instance keeps its own groups; None: every trainable parameter
+    engine = shard(model, cfg, optimizer=opt_arg, lr_scheduler=sched_arg, param_groups=groups)
     ds_engine = DeepSpeedEngine(
         engine, ds_config=ds_config, training_data=training_data, collate_fn=collate_fn
     )
@@ -135,15 +128,15 @@ def _optimizer_and_scheduler(
     model: nn.Module,
     ds_config: Mapping[str, Any],
     cfg: Config,
-    groups: Any,
     optimizer: Any,
     lr_scheduler: Any,
-) -> tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], Any]:
+) -> tuple[Callable[[list[Any]], torch.optim.Optimizer] | None, Any]:
     """shard()'s optimizer and scheduler arguments for DeepSpeed's (see module docstring)."""
     partial = cfg.mesh.pp > 1 or cfg.pipeline.stages_per_rank > 1
     offloaded = (
         cfg.zero.offload_optimizer.device != "none" or cfg.zero.offload_param.device != "none"
     )
+    opt_arg: Callable[[list[Any]], torch.optim.Optimizer] | None
     if isinstance(optimizer, torch.optim.Optimizer):
         instance = optimizer
         if offloaded:
@@ -153,9 +146,11 @@ def _optimizer_and_scheduler(
             )
         named = optimizer_groups(model, instance)
 
-        def opt_arg(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        def rebind(params: list[Any]) -> torch.optim.Optimizer:
             rebind_optimizer_(instance, resolve_groups(model, named, partial=partial))
             return instance
+
+        opt_arg = rebind
 
     elif optimizer is not None:
         if not callable(optimizer):
@@ -163,24 +158,10 @@ def _optimizer_and_scheduler(
                 f"optimizer must be a torch.optim.Optimizer or a callable params -> "
                 f"optimizer; got {type(optimizer).__name__}"
             )
-        factory = optimizer
-
-        def opt_arg(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-            return factory(resolve_groups(model, groups, partial=partial))
+        opt_arg = optimizer  # shard calls it with model_parameters' groups, sharded
 
     elif "optimizer" in ds_config:
-        if offloaded and group_options_differ(groups):
-            raise ValueError(
-                "parameter groups with their own options are not supported with ZeRO-Offload "
-                "(the offloaded step takes one set of hyperparameters); pass "
-                "model.parameters()"
-            )
-
-        def opt_arg(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-            return build_optimizer(resolve_groups(model, groups, partial=partial), cfg.optimizer)
-
-        if offloaded:
-            opt_arg = None  # type: ignore[assignment]  # shard builds the offloaded one
+        opt_arg = None  # shard builds it from the config, in model_parameters' groups
     else:
         raise ValueError(
             'no optimizer: the DeepSpeed config has no "optimizer" section and initialize() '

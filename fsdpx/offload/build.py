@@ -5,6 +5,7 @@ and the optimizer with the engine's step strategy ([Note: the offload table] in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ def offload_policy(cfg: Config) -> OffloadPolicy | None:
 
 def build_offload(
     plan: OffloadPlan,
-    params: list[nn.Parameter],
+    params: list[Any],
     model: nn.Module,
     optimizer: OptimizerConfig,
     rank: int,
@@ -56,7 +57,8 @@ def build_offload(
 
     Args:
         plan: from check_offload / resolve_offload.
-        params: the sharded parameters that require grad.
+        params: the sharded parameters that require grad, or parameter groups of them
+            (dicts with "params" and per-group options).
         model: the sharded model (gradient streaming hooks, parameter casting).
         optimizer: cfg.optimizer (an Adam type whenever the plan offloads; check_offload).
         rank: global rank (names NVMe swap files).
@@ -88,4 +90,5 @@ def build_offload(
         rank=rank,
         **hyper,  # type: ignore[arg-type]
     )
-    return OffloadBuild(opt, OffloadedStep(opt, params))
+    flat = [p for group in opt.param_groups for p in group["params"]]
+    return OffloadBuild(opt, OffloadedStep(opt, flat))

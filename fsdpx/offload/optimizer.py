@@ -72,6 +72,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         decoupled_weight_decay: bool = True,
+        bias_correction: bool = True,
         offload: OffloadConfig,
         model: nn.Module | None = None,
         device_dtype: torch.dtype | None = None,
@@ -90,6 +91,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             amsgrad=False,
             maximize=False,
             decoupled_weight_decay=decoupled_weight_decay,
+            bias_correction=bias_correction,
         )
         super().__init__(params, defaults)
         self._slots = make_slots(self.param_groups)

@@ -1,4 +1,4 @@
-"""What a DeepSpeed script hands `initialize` about parameters, carried across sharding.
+"""Parameter groups (and a DeepSpeed script's optimizer instance) carried across sharding.
 
 [Note: parameters across sharding]
 FSDP2's `fully_shard` (and tensor parallelism) replace every parameter of the model with
@@ -17,7 +17,7 @@ are dropped from its groups.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,8 +133,3 @@ def rebind_optimizer_(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
     optimizer.state.clear()
     for group in groups:
         optimizer.add_param_group(dict(group))  # torch's checks (leaf tensors, no repeats)
-
-
-def group_options_differ(groups: Iterable[NamedGroup]) -> bool:
-    """True when some group sets its own options (e.g. weight_decay 0 for biases)."""
-    return any(group.options for group in groups)
