@@ -135,3 +135,36 @@ def test_hf_causal_lm_matches_plain_transformers(tmp_path: Path) -> None:
     assert ours.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(ours[name], ref[name], msg=name)
+
+
+@pytest.mark.slow
+def test_masked_lm_with_offload_resumes_and_matches_one_rank(tmp_path: Path) -> None:
+    """examples/deepspeed/masked_lm.py (no-decay groups, ZeRO-2 + CPU optimizer offload):
+    stopped after 5 steps and resumed from its step-4 checkpoint, its losses equal the
+    uninterrupted run's. (Offloaded training against a single-process reference is
+    tests/test_offload.py's; the script logs each step's last micro-batch loss, which
+    differs between world sizes.)"""
+    import json
+
+    config = str(EXAMPLES / "masked_lm_ds_config.json")
+
+    def run(nproc: int, ckpt: str, *extra: str) -> list[float]:
+        out = tmp_path / f"{ckpt}.json"
+        _launch(
+            "masked_lm.py",
+            nproc,
+            "--deepspeed_config",
+            config,
+            "--ckpt",
+            str(tmp_path / ckpt),
+            "--losses",
+            str(out),
+            *extra,
+        )
+        return json.loads(out.read_text())
+
+    full = run(2, "full")
+    run(2, "resumed", "--stop-after", "5")
+    resumed = run(2, "resumed")
+    assert len(full) == 12
+    assert resumed == full
