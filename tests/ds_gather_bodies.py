@@ -3,6 +3,7 @@ DeepSpeed script uses it, on a model sharded by `fsdpx.deepspeed.initialize`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -248,3 +249,59 @@ def mesh_reference() -> dict[str, torch.Tensor]:
     model = small_model()
     _edit(model, 3)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def lifecycle_body(rank: int, world_size: int) -> dict[str, Any]:
+    """Stage 2 with accumulation: between micro-steps FSDP2 holds the parameters unsharded
+    (plain tensors); gathering them there must read the right values and leave training
+    unchanged. Then the refusal inside forward and a modifier_rank that reshapes."""
+    config = {**_config("2"), "gradient_accumulation_steps": 2}
+    config["train_micro_batch_size_per_gpu"] = 1
+    runs = {}
+    for gather in (False, True):
+        engine, *_ = deepspeed.initialize(model=make_model(), config=config)
+        model = engine.module
+        (micro,) = global_batches(1, 1, seed=3)
+        x, y = micro[0]
+        reads: dict[str, torch.Tensor] = {}
+        kinds: set[str] = set()
+        for half in (0, 1):
+            xs, ys = (shard_batch(t, rank, world_size) for t in (x, y))
+            xs, ys = xs[half : half + 1], ys[half : half + 1]
+            engine.backward(engine(xs, ys))
+            if gather and half == 0:
+                params = list(model.parameters())
+                kinds = {type(p).__name__ for p in params}
+                with deepspeed.zero.GatheredParameters(params):
+                    reads = {n: _attr(model, n).detach().clone() for n in (MLP_W, WTE)}
+            engine.step()
+        runs[str(gather)] = {"params": _full(engine), "reads": reads, "kinds": kinds}
+        if gather:
+            w = _attr(model, MLP_W)
+            before = w.to_local().clone()
+            # Only modifier_rank raises; the other rank leaves the context normally.
+            expect = (
+                pytest.raises(RuntimeError, match="on modifier_rank the parameter's data became")
+                if rank == 0
+                else contextlib.nullcontext()
+            )
+            with expect, deepspeed.zero.GatheredParameters(w, modifier_rank=0):
+                if rank == 0:
+                    _attr(model, MLP_W).data = torch.zeros(3)
+            runs["unchanged"] = torch.equal(w.to_local(), before)  # type: ignore[assignment]
+            hook_errors: list[str] = []
+
+            def hook(module: nn.Module, args: Any, hook_errors: list[str] = hook_errors) -> None:
+                try:
+                    with deepspeed.zero.GatheredParameters(module.up_proj.weight):
+                        pass
+                except RuntimeError as err:
+                    hook_errors.append(str(err))
+
+            handle = model.get_submodule("blocks.0.mlp").register_forward_pre_hook(hook)
+            engine(shard_batch(x, rank, world_size)[:1], shard_batch(y, rank, world_size)[:1])
+            handle.remove()
+            runs["hook_errors"] = hook_errors  # type: ignore[assignment]
+
+        engine.destroy()
+    return runs

@@ -93,3 +93,16 @@ def test_hsdp_and_tensor_parallel_meshes() -> None:
             _close(res[layout]["read"], initial)
             _close(res[layout]["after"], expected)
             assert float(res[layout]["after"]["0.weight"][1, 0]) == 13.0, (rank, layout)
+
+
+def test_between_micro_steps_inside_forward_and_a_reshaped_modification() -> None:
+    for res in run_ranks(bodies.lifecycle_body, 2):
+        assert res["True"]["kinds"] == {"Parameter"}  # FSDP2's unsharded plain tensors
+        initial = dict(bodies.make_model().named_parameters())
+        for name, value in res["True"]["reads"].items():
+            assert torch.equal(value, initial[name].detach()), name
+        for name, value in res["True"]["params"].items():
+            assert torch.equal(value, res["False"]["params"][name]), name
+        assert len(res["hook_errors"]) == 1
+        assert "cannot run inside the forward or backward" in res["hook_errors"][0]
+        assert res["unchanged"]

@@ -22,7 +22,8 @@ reshard throws the unsharded copy away, so a write could not be kept. Instead, o
 
 On exit the sharded Parameter is put back. With `modifier_rank` set, that rank's full
 tensor (`.data` of the Parameter the module held, so `p.data = t`, `p.data.copy_(t)`,
-`p[i] = v` all count) is first broadcast along each mesh axis in turn (a (dp_replicate,
+`p[i] = v` all count; one of another shape or dtype is an error on that rank, after a flag
+broadcast tells the others to write nothing rather than wait) is first broadcast along each mesh axis in turn (a (dp_replicate,
 dp_shard) or (dp, tp) mesh has no single group) and every rank copies its own slice into
 its shard in place, so the optimizer's state keeps pointing at the same tensors. With
 `modifier_rank=None` nothing is written: changes made inside are dropped (DeepSpeed
@@ -115,6 +116,8 @@ def _offloaded_optimizers() -> list[torch.optim.Optimizer]:
 
 def _update_offloaded_masters(entries: list[_Entry]) -> None:
     written = {id(e.sharded): e.sharded for e in entries}
+    if not written:
+        return
     for opt in _offloaded_optimizers():
         with offload_view(opt) as masters:
             mine = [pid for pid in written if pid in masters]
@@ -287,17 +290,25 @@ class GatheredParameters:
         if not self._entries:
             return
         entries, self._entries = self._entries, []
+        problems: list[str] = []
         try:
             if self.modifier_rank is not None and exc_type is None:
                 with torch.no_grad():
+                    written = []
                     for e in entries:
-                        self._write_back(e, self.modifier_rank)
-                    _update_offloaded_masters(entries)
+                        problem = self._write_back(e, self.modifier_rank)
+                        if problem is None:
+                            written.append(e)
+                        else:
+                            problems.append(problem)
+                    _update_offloaded_masters(written)
         finally:
             for e in entries:
                 for module, name in _owners(e.fsdp_param):
                     unsafe_setattr_param(module, name, cast(nn.Parameter, e.sharded))
                 _ACTIVE.difference_update((id(e.sharded), id(e.held)))
+        if problems:
+            raise RuntimeError(problems[0])
         if exc_type is None and any(e.held.grad is not None for e in entries):
             raise RuntimeError(
                 "zero.GatheredParameters: a gradient was computed for a gathered parameter "
@@ -306,20 +317,30 @@ class GatheredParameters:
             )
 
     @staticmethod
-    def _write_back(e: _Entry, modifier_rank: int) -> None:
+    def _write_back(e: _Entry, modifier_rank: int) -> str | None:
+        """Broadcast modifier_rank's full tensor and copy this rank's slice into the shard.
+        Returns the error to raise on modifier_rank when its tensor no longer fits; every
+        rank then learns it from a flag broadcast first and writes nothing, so none hangs."""
         mesh = e.sharded.device_mesh
+        problem = None
+        buf = e.full
         if dist.get_rank() == int(mesh.mesh.flatten()[modifier_rank]):
             data = e.held.data
             if data.shape != e.full.shape or data.dtype != e.full.dtype:
-                raise RuntimeError(
+                problem = (
                     "zero.GatheredParameters: on modifier_rank the parameter's data became "
                     f"{tuple(data.shape)} {data.dtype}, expected {tuple(e.full.shape)} "
-                    f"{e.full.dtype}; write values into it, do not reshape or recast it"
+                    f"{e.full.dtype}; nothing was written. Write values into it, do not "
+                    "reshape or recast it"
                 )
-            buf = data.to(e.full.device).contiguous()
-        else:
-            buf = e.full
+            else:
+                buf = data.to(e.full.device).contiguous()
+        flag = torch.tensor([problem is not None], dtype=torch.int32, device=e.full.device)
+        _broadcast_over_mesh(flag, mesh, modifier_rank)
+        if flag.item():
+            return problem
         _broadcast_over_mesh(buf, mesh, modifier_rank)
         # Every rank now holds the same full tensor: slicing it locally is exact.
         mine = distribute_tensor(buf, mesh, e.sharded.placements, src_data_rank=None).to_local()
         e.sharded.to_local().copy_(mine)
+        return None
