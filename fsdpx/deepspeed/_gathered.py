@@ -21,14 +21,17 @@ reshard throws the unsharded copy away, so a write could not be kept. Instead, o
    reach the shard behind the context's back.
 
 On exit the sharded Parameter is put back. With `modifier_rank` set, that rank's full
-tensor (`.data` of the Parameter the module held, so `p.data = t`, `p.data.copy_(t)`,
-`p[i] = v` all count; one of another shape or dtype is an error on that rank, after a flag
-broadcast tells the others to write nothing rather than wait) is first broadcast along each mesh axis in turn (a (dp_replicate,
+tensor (`.data` of the Parameter the module held, so `p.data = t`, `p.data.copy_(t)` and
+`p[i] = v` all count) is broadcast along each mesh axis in turn (a (dp_replicate,
 dp_shard) or (dp, tp) mesh has no single group) and every rank copies its own slice into
-its shard in place, so the optimizer's state keeps pointing at the same tensors. With
-`modifier_rank=None` nothing is written: changes made inside are dropped (DeepSpeed
-re-partitions without an update too). Same for a `with` body that raises: the parameters
-are restored without any collective, since other ranks may not be at the exit.
+its shard in place, so the optimizer's state keeps pointing at the same tensors. A tensor
+of another shape or dtype on that rank is an error there; a flag broadcast first tells the
+other ranks to write nothing rather than wait. With `modifier_rank=None` nothing is
+written: changes made inside are dropped (DeepSpeed re-partitions without an update too).
+Same for a `with` body that raises: the parameters are restored without any collective,
+since other ranks may not be at the exit. Like DeepSpeed, all the parameters given are
+full at once (memory: their full sizes); a reference kept past the context is a copy no
+longer connected to the model.
 
 ZeRO-Offload keeps the fp32 masters in its optimizer (fsdpx/offload/cpu.py) and copies
 them onto the parameters after each step, which would undo a write; so the shards
