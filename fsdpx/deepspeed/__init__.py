@@ -5,7 +5,8 @@ its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). Pro
 so far: ``initialize``, ``add_config_arguments``, ``init_distributed``,
 ``DeepSpeedEngine``, ``get_accelerator`` and the submodules ``comm``, ``accelerator``,
 ``utils``, ``checkpointing``, ``ops`` (``ops.adam``), ``runtime`` (``runtime.utils``,
-``runtime.dataloader``, ``runtime.lr_schedules``), ``zero`` (``zero.Init``). DeepSpeed names not
+``runtime.dataloader``, ``runtime.lr_schedules``), ``zero`` (``zero.Init``,
+``zero.GatheredParameters``). DeepSpeed names not
 listed here are absent, not stubbed (README, "Porting from DeepSpeed").
 
 The DeepSpeed *config* translation lives here under private names, imported directly by
@@ -23,6 +24,7 @@ and the engine under private names too:
     _params.py      parameter groups / optimizer instances carried across sharding
     _data.py        the DataLoader built from training_data; RepeatingLoader
     _save16.py      save_16bit_model
+    _gathered.py    zero.GatheredParameters on FSDP2's sharded parameters
 
 [Note: lazy deepspeed package] ``_config`` imports ``fsdpx.config``, and
 ``fsdpx.config`` imports ``_config`` inside ``Config.from_deepspeed``. If this file

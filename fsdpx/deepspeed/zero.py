@@ -1,5 +1,7 @@
 """`deepspeed.zero`: `Init`, DeepSpeed's context for building a model too large for one
-rank, mapped onto fsdpx's meta-device construction.
+rank, mapped onto fsdpx's meta-device construction, and `GatheredParameters`, the context
+that makes sharded parameters full for a while (fsdpx/deepspeed/_gathered.py, [Note:
+GatheredParameters on FSDP2]).
 
 [Note: zero.Init on the meta device]
 DeepSpeed's `zero.Init` partitions each parameter as its module's `__init__` returns, so
@@ -16,6 +18,8 @@ from types import TracebackType as _TracebackType
 from typing import Any as _Any
 
 import torch as _torch
+
+from fsdpx.deepspeed._gathered import GatheredParameters
 
 
 class Init:
@@ -77,4 +81,4 @@ class Init:
             self._device.__exit__(exc_type, exc, tb)
 
 
-__all__ = ["Init"]
+__all__ = ["GatheredParameters", "Init"]
