@@ -36,7 +36,7 @@ longer connected to the model.
 ZeRO-Offload keeps the fp32 masters in its optimizer (fsdpx/offload/cpu.py) and copies
 them onto the parameters after each step, which would undo a write; so the shards
 written are also copied into the masters of the offloaded optimizer that owns them (found
-through the `OFFLOAD_OWNER` attribute its model carries), through the same checkpoint view
+through fsdpx.checkpoint.external's registry), through the same checkpoint view
 a model load uses. A 16-bit device copy rounds what was written, as in DeepSpeed.
 
 `modifier_rank` is a rank within the parameter's mesh (its flattened rank list); when the
@@ -72,7 +72,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdpx.checkpoint.state import OFFLOAD_OWNER, offload_view
+from fsdpx.checkpoint.external import ExternalState, external_state_owner
 
 # id(sharded Parameter) and id(full Parameter) of every parameter gathered right now.
 _ACTIVE: set[int] = set()
@@ -106,13 +106,13 @@ def _fsdp_index() -> dict[int, tuple[FSDPParam, FSDPParamGroup]]:
     return index
 
 
-def _offloaded_optimizers() -> list[torch.optim.Optimizer]:
-    """The offloaded optimizers whose models FSDP2 shards (their root carries the link)."""
-    found: dict[int, torch.optim.Optimizer] = {}
+def _offloaded_optimizers() -> list[ExternalState]:
+    """The optimizers holding external fp32 masters (offload) for models FSDP2 shards
+    (fsdpx.checkpoint.external's registry)."""
+    found: dict[int, ExternalState] = {}
     for module in list(_module_state_mapping.keys()):
-        ref = getattr(module, OFFLOAD_OWNER, None)
-        opt = ref() if ref is not None else None
-        if opt is not None:
+        opt = external_state_owner(module, None)
+        if isinstance(opt, ExternalState):
             found[id(opt)] = opt
     return list(found.values())
 
@@ -122,14 +122,14 @@ def _update_offloaded_masters(entries: list[_Entry]) -> None:
     if not written:
         return
     for opt in _offloaded_optimizers():
-        with offload_view(opt) as masters:
+        with opt.checkpoint_view() as masters:
             mine = [pid for pid in written if pid in masters]
             for pid in mine:
                 master = masters[pid]
                 local = master.to_local() if isinstance(master, DTensor) else master
                 local.copy_(written[pid].to_local())
         if mine:
-            opt.after_load()  # type: ignore[attr-defined]  # masters -> device parameters
+            opt.after_load()  # masters -> device parameters
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:
