@@ -138,6 +138,19 @@ class PipelineRunner:
         return total
 
 
+def _clone_received(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook of every stage but the first: its inputs as copies.
+
+    [Note: in-place at a stage boundary] A stage receives its input as a leaf tensor that
+    requires grad (the stage returns that leaf's gradient to the previous stage). An
+    in-place op on it as the stage's first step (`nn.ReLU(inplace=True)` right after a
+    split point) is an autograd error on a leaf, where the unsplit model applies it to a
+    non-leaf activation. A copy gives the stage the non-leaf the model had; the cost is
+    one activation-sized copy per micro-batch at each stage boundary.
+    """
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
 @dataclass(frozen=True)
 class StageSplit:
     """This rank's pipeline stages: `parts[i]` is stage `ids[i]` of `num_stages`."""
@@ -214,6 +227,9 @@ def build_runner(
     """
     num_stages = split.num_stages
     pp_group = mesh[Axis.PP.value].get_group()
+    for part, sid in zip(split.parts, split.ids, strict=True):
+        if sid > 0:
+            part.register_forward_pre_hook(_clone_received)
     stages = [
         PipelineStage(part, sid, num_stages, device, group=pp_group)
         for part, sid in zip(split.parts, split.ids, strict=True)
