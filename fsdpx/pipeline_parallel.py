@@ -117,6 +117,20 @@ class PipelineRunner:
         Returns:
             The mean unscaled loss of the micro-batches, on every rank of the pp group.
         """
+        return self._run(self.schedule.step, batches, loss_scale / len(batches), device)
+
+    def evaluate(self, batches: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """Forward only: `batches` through the schedule without gradients.
+
+        Returns:
+            The mean loss of the micro-batches, on every rank of the pp group.
+        """
+        with torch.no_grad():
+            return self._run(self.schedule.eval, batches, 1.0, device)
+
+    def _run(
+        self, run: Callable[..., Any], batches: Sequence[Any], scale: float, device: torch.device
+    ) -> torch.Tensor:
         if any(not isinstance(b, (tuple, list)) or len(b) != 2 for b in batches):
             raise ValueError(
                 "under pipeline parallelism every batch must be an (inputs, targets) pair: "
@@ -124,13 +138,13 @@ class PipelineRunner:
             )
         x = torch.cat([b[0] for b in batches]).to(device)
         y = torch.cat([b[1] for b in batches]).to(device)
-        self._scale = loss_scale / len(batches)
+        self._scale = scale
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"return_outputs": False}
         if self.has_last:
             kwargs.update(target=y, losses=losses)
         args = (x,) if self.has_first else ()
-        self.schedule.step(*args, **kwargs)
+        run(*args, **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=device)
         if self.has_last:
             total = torch.stack([t.detach().float() for t in losses]).mean() / self._scale
