@@ -12,6 +12,9 @@ overrides the config's "optimizer" section; with neither there is no optimizer, 
 DeepSpeed allows only for engines that never train — here it is an error, since the
 native engine always steps one. The scheduler likewise: `lr_scheduler=` (instance or
 callable `optimizer -> scheduler`) overrides the "scheduler" section.
+
+A `deepspeed.pipe.PipelineModule` runs through fsdpx's pipeline parallelism: the config
+gets its stage count, split points and schedule from the module (_pipe_config.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ from fsdpx.deepspeed._params import (
     rebind_optimizer_,
     resolve_groups,
 )
+from fsdpx.deepspeed._pipe_config import (
+    pipeline_config,
+    pipeline_ds_config,
+    pipeline_loss_fn,
+)
+from fsdpx.deepspeed.pipe import PipelineModule
 from fsdpx.optim import build_optimizer
 from fsdpx.shard import shard
 
@@ -85,12 +94,18 @@ def initialize(
         )
     _show_info_logs()
     ds_config = _read_config(args, config, config_params)
-    cfg = Config.from_deepspeed(ds_config)
+    loss_fn = None
+    if isinstance(model, PipelineModule):
+        ds_config = pipeline_ds_config(model, ds_config)
+        cfg = pipeline_config(model, Config.from_deepspeed(ds_config))
+        loss_fn = pipeline_loss_fn(model)
+    else:
+        cfg = Config.from_deepspeed(ds_config)
     groups = name_groups(model, model_parameters)
     opt_arg, sched_arg = _optimizer_and_scheduler(
         model, ds_config, cfg, groups, optimizer, lr_scheduler
     )
-    engine = shard(model, cfg, optimizer=opt_arg, lr_scheduler=sched_arg)
+    engine = shard(model, cfg, optimizer=opt_arg, lr_scheduler=sched_arg, loss_fn=loss_fn)
     ds_engine = DeepSpeedEngine(
         engine, ds_config=ds_config, training_data=training_data, collate_fn=collate_fn
     )
