@@ -127,3 +127,32 @@ def test_errors() -> None:
     ):
         pipeline_ds_config(two, {"pipeline": {"stages": 4}})
     assert pipeline_ds_config(two, {})["pipeline"] == {"stages": 2}
+
+
+def test_activation_checkpoint_interval_runs_chunks_with_parameters_through_the_func() -> None:
+    from fsdpx.deepspeed import checkpointing
+
+    calls: list[int] = []
+
+    def counting(fn, *args):  # type: ignore[no-untyped-def]
+        calls.append(len(args))
+        return checkpointing.checkpoint(fn, *args)
+
+    def build(interval: int) -> PipelineModule:
+        torch.manual_seed(0)
+        layers = [nn.Linear(4, 4), nn.ReLU(), nn.Tanh(), nn.Sigmoid(), nn.Linear(4, 2)]
+        return PipelineModule(
+            layers,
+            num_stages=1,
+            activation_checkpoint_interval=interval,
+            activation_checkpoint_func=counting,
+        )
+
+    x = torch.randn(3, 4)
+    plain, chunked = build(0), build(2)
+    plain(x).sum().backward()
+    chunked(x).sum().backward()
+    # Chunks [Linear, ReLU], [Tanh, Sigmoid], [Linear]: the parameter-free one runs plainly.
+    assert calls == [1, 1]
+    for (name, a), (_, b) in zip(plain.named_parameters(), chunked.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
