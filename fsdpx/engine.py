@@ -223,6 +223,34 @@ class Engine:
             total += plain_loss(loss).detach().float()
         return self.all_reduce_mean(total / self.config.gradient_accumulation_steps)
 
+    @guarded
+    def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """Forward only, in eval mode and without gradients: gradient_accumulation_steps
+        batches from data_iter, as train_batch reads them (under pipeline parallelism
+        through the schedule). Returns the mean loss over the micro-batches and the
+        data-parallel ranks; the training mode is restored afterwards.
+        """
+        gas = self.config.gradient_accumulation_steps
+        modules = [self.module]
+        if self._pipeline is not None:
+            modules += [s.submod for s in self._pipeline.stages]
+        was_training = [m.training for m in modules]
+        for m in modules:
+            m.train(False)
+        try:
+            if self._pipeline is not None:
+                batches = [next(data_iter) for _ in range(gas)]
+                return self.all_reduce_mean(self._pipeline.evaluate(batches, self.device))
+            total = torch.zeros((), device=self.device)
+            with torch.no_grad():
+                for _ in range(gas):
+                    with loss_context(self._loss_parallel):
+                        total += plain_loss(self._loss_of(next(data_iter))).float()
+            return self.all_reduce_mean(total / gas)
+        finally:
+            for m, mode in zip(modules, was_training, strict=True):
+                m.train(mode)
+
     def _loss_of(self, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict):
             return self.module(**batch)
@@ -287,6 +315,11 @@ class Engine:
         dtype None uses the precision config's param_dtype ("fp32" keeps fp32). Tensors are
         gathered one at a time, so no rank holds the whole model. Every rank must call it.
         """
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                "save_16bit_model under pipeline parallelism: each stage holds part of the "
+                "model; use save_checkpoint, then `fsdpx-ckpt consolidate` for the full weights"
+            )
         return save_full_model(
             self.module,
             save_dir,

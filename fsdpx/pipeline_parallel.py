@@ -117,6 +117,20 @@ class PipelineRunner:
         Returns:
             The mean unscaled loss of the micro-batches, on every rank of the pp group.
         """
+        return self._run(self.schedule.step, batches, loss_scale / len(batches), device)
+
+    def evaluate(self, batches: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """Forward only: `batches` through the schedule without gradients.
+
+        Returns:
+            The mean loss of the micro-batches, on every rank of the pp group.
+        """
+        with torch.no_grad():
+            return self._run(self.schedule.eval, batches, 1.0, device)
+
+    def _run(
+        self, run: Callable[..., Any], batches: Sequence[Any], scale: float, device: torch.device
+    ) -> torch.Tensor:
         if any(not isinstance(b, (tuple, list)) or len(b) != 2 for b in batches):
             raise ValueError(
                 "under pipeline parallelism every batch must be an (inputs, targets) pair: "
@@ -124,18 +138,31 @@ class PipelineRunner:
             )
         x = torch.cat([b[0] for b in batches]).to(device)
         y = torch.cat([b[1] for b in batches]).to(device)
-        self._scale = loss_scale / len(batches)
+        self._scale = scale
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"return_outputs": False}
         if self.has_last:
             kwargs.update(target=y, losses=losses)
         args = (x,) if self.has_first else ()
-        self.schedule.step(*args, **kwargs)
+        run(*args, **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=device)
         if self.has_last:
             total = torch.stack([t.detach().float() for t in losses]).mean() / self._scale
         dist.broadcast(total, group=self._pp_group, group_src=self._last_stage_rank)
         return total
+
+
+def _clone_received(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook of every stage but the first: its inputs as copies.
+
+    [Note: in-place at a stage boundary] A stage receives its input as a leaf tensor that
+    requires grad (the stage returns that leaf's gradient to the previous stage). An
+    in-place op on it as the stage's first step (`nn.ReLU(inplace=True)` right after a
+    split point) is an autograd error on a leaf, where the unsplit model applies it to a
+    non-leaf activation. A copy gives the stage the non-leaf the model had; the cost is
+    one activation-sized copy per micro-batch at each stage boundary.
+    """
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 @dataclass(frozen=True)
@@ -214,6 +241,9 @@ def build_runner(
     """
     num_stages = split.num_stages
     pp_group = mesh[Axis.PP.value].get_group()
+    for part, sid in zip(split.parts, split.ids, strict=True):
+        if sid > 0:
+            part.register_forward_pre_hook(_clone_received)
     stages = [
         PipelineStage(part, sid, num_stages, device, group=pp_group)
         for part, sid in zip(split.parts, split.ids, strict=True)

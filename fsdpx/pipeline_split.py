@@ -5,8 +5,14 @@ stages removed: top-level modules (embeddings, final norm, head) are set to None
 are deleted from their ModuleList *keeping the other keys*, so parameter names on every
 stage are those of the full model (`blocks.5.mlp.up_proj.weight` stays that on stage 2)
 and checkpoints move between layouts. The model's forward must skip a None module and
-iterate its block list (torchtitan's convention; fsdpx/demo/gpt.py follows it). Modules
-without parameters (dropout, rotary tables) stay on every stage.
+iterate its block list (torchtitan's convention; fsdpx/demo/gpt.py follows it).
+
+[Note: every unit on one stage] Each unit, parameters or not, lives on the one stage whose
+span of units contains it. A parameter-free unit (ReLU, MaxPool, Flatten, Dropout) is a
+step of the forward like any other: kept on every stage, a forward that calls its
+children in order re-ran it on the other stages' activations (a MaxPool of stage 0 halved
+stage 1's input again). State a forward uses on every stage (rotary tables, masks) belongs
+on the model itself as a buffer, which every stage keeps, not in a unit.
 
 Units, in registration order: the children of the model, with the block list's parent
 chain expanded, e.g. GPT: wte, wpe, drop, blocks.0 ... blocks.3, ln_f, lm_head.
@@ -70,7 +76,8 @@ def model_units(model: nn.Module, block_names: Sequence[str]) -> list[str]:
 def plan_stages(
     model: nn.Module, block_names: Sequence[str], num_stages: int, cfg: PipelineConfig
 ) -> list[list[str]]:
-    """Which units each stage holds (parameterless units are kept on every stage).
+    """Which units each stage holds: contiguous spans of the units, in order
+    ([Note: every unit on one stage]).
 
     Args:
         model: the full model.
@@ -94,9 +101,7 @@ def plan_stages(
     else:
         starts = _even_starts(units, list(block_names), num_stages, cfg)
     bounds = [*starts, len(units)]
-    stages = [units[bounds[i] : bounds[i + 1]] for i in range(num_stages)]
-    keep_everywhere = [u for u in units if not _has_params(model.get_submodule(u))]
-    return [[u for u in units if u in s or u in keep_everywhere] for s in stages]
+    return [units[bounds[i] : bounds[i + 1]] for i in range(num_stages)]
 
 
 def _has_params(module: nn.Module) -> bool:

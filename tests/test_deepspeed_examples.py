@@ -168,3 +168,76 @@ def test_masked_lm_with_offload_resumes_and_matches_one_rank(tmp_path: Path) -> 
     resumed = run(2, "resumed")
     assert len(full) == 12
     assert resumed == full
+
+
+def _pipeline_reference(
+    steps: int, gas: int, micro: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """examples/deepspeed/pipeline_alexnet.py's training in one process: the same layers as
+    one nn.Sequential, the same seed, data order (the loader a dp size of 1 builds),
+    micro-batches and Adam."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import pipeline_alexnet as example
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from fsdpx.deepspeed.runtime.utils import set_random_seed
+
+    class Flatten(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.flatten(x, 1)
+
+    torch.manual_seed(1138)
+    set_random_seed(1138)
+    layers = example.join_layers(example.AlexNet(num_classes=10))
+    model = nn.Sequential(*[m if isinstance(m, nn.Module) else Flatten() for m in layers])
+    data = example.SyntheticImages()
+    loader = DataLoader(
+        data, batch_size=micro, sampler=DistributedSampler(data, num_replicas=1, rank=0)
+    )
+    stream = iter(example.deepspeed.utils.RepeatingLoader(loader))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(gas):
+            x, y = next(stream)
+            loss = nn.functional.cross_entropy(model(x), y) / gas
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    names = {id(m): n for n, m in model.named_children()}
+    state = {f"{names[id(m)]}.{k}": v for m in model.children() for k, v in m.state_dict().items()}
+    return losses, state
+
+
+@pytest.mark.slow
+def test_pipeline_alexnet_two_stages_match_a_single_process(tmp_path: Path) -> None:
+    from checkpoint_tools import load_state_dict
+
+    steps = 6
+    out = _launch(
+        "pipeline_alexnet.py",
+        2,
+        "--deepspeed_config",
+        str(EXAMPLES / "pipeline_ds_config.json"),
+        "-p",
+        "2",
+        "--steps",
+        str(steps),
+        "--out",
+        str(tmp_path),
+    )
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+    # train_batch_size 32 / micro 4 on one data-parallel rank: 8 micro-batches a step.
+    ref_losses, ref_state = _pipeline_reference(steps, gas=8, micro=4)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    weights = load_state_dict(tmp_path, dtype="fp32")
+    assert sorted(weights) == sorted(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)

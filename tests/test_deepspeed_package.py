@@ -26,6 +26,7 @@ DEEPSPEED_NAMES = {
     "DeepSpeedEngine",
     "InferenceEngine",
     "PipelineEngine",
+    "PipelineModule",
     "accelerator",
     "add_config_arguments",
     "add_tuning_arguments",

@@ -4,6 +4,7 @@ layout error."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -96,10 +97,10 @@ def test_units_and_even_split() -> None:
     gpt = _gpt()
     assert model_units(gpt, BLOCKS) == ["wte", "wpe", "drop", *BLOCKS, "ln_f", "lm_head"]
     stages = plan_stages(gpt, BLOCKS, 2, PipelineConfig())
-    # drop has no parameters: every stage keeps it.
+    # drop has no parameters: it stays on its own stage, like every unit.
     assert stages == [
         ["wte", "wpe", "drop", "blocks.0", "blocks.1"],
-        ["drop", "blocks.2", "blocks.3", "ln_f", "lm_head"],
+        ["blocks.2", "blocks.3", "ln_f", "lm_head"],
     ]
 
 
@@ -113,7 +114,7 @@ def test_first_and_last_stage_layers() -> None:
 
 def test_split_points() -> None:
     stages = plan_stages(_gpt(), BLOCKS, 2, PipelineConfig(split_points=("blocks.3",)))
-    assert stages[1] == ["drop", "blocks.3", "ln_f", "lm_head"]
+    assert stages[1] == ["blocks.3", "ln_f", "lm_head"]
 
 
 def test_pruned_stage_keeps_full_model_names_and_runs() -> None:
@@ -205,3 +206,33 @@ def test_config_layer_counts_only_with_even_split() -> None:
         ValueError, match=r"'pipeline\.first_stage_layers' \(1\) applies to the even split only"
     ):
         Config.from_dict({"pipeline": {"first_stage_layers": 1, "split_points": ["blocks.2"]}})
+
+
+# --- parameter-free layers and in-place ops at stage boundaries ---------------------
+
+
+def test_parameter_free_units_stay_on_their_own_stage() -> None:
+    from tests.pp_seq_bodies import make_chain
+
+    chain = make_chain()
+    blocks = ["0", "5", "9"]
+    units = model_units(chain, blocks)
+    stages = plan_stages(chain, blocks, 2, PipelineConfig(split_points=("5",)))
+    assert stages == [units[:5], units[5:]]
+    first = prune_to_stage(copy.deepcopy(chain), units, stages[0])
+    last = prune_to_stage(copy.deepcopy(chain), units, stages[1])
+    x = torch.randn(2, 1, 8, 8)
+    torch.testing.assert_close(last(first(x)), chain(x.clone()))
+
+
+@pytest.mark.parametrize("split_at", ["4", "5"])
+def test_chain_with_inplace_ops_at_the_boundary_matches_single_process(split_at: str) -> None:
+    from tests import pp_seq_bodies as sb
+
+    ref = sb.reference_grads(split_at)
+    results = run_ranks(sb.chain_body, 2, (split_at,))
+    assert results[0]["held"] == [str(i) for i in range(int(split_at))]
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    assert sorted(grads) == sorted(ref)
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)

@@ -2,11 +2,12 @@
 
 A DeepSpeed script will import this package as ``import fsdpx.deepspeed as deepspeed``, so
 its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). Provided
-so far: ``initialize``, ``add_config_arguments``, ``init_distributed``,
+so far: ``initialize``, ``PipelineModule``, ``add_config_arguments``, ``init_distributed``,
 ``DeepSpeedEngine``, ``get_accelerator`` and the submodules ``comm``, ``accelerator``,
 ``utils``, ``checkpointing``, ``ops`` (``ops.adam``), ``runtime`` (``runtime.utils``,
 ``runtime.dataloader``, ``runtime.lr_schedules``), ``zero`` (``zero.Init``,
-``zero.GatheredParameters``). DeepSpeed names not
+``zero.GatheredParameters``), ``pipe`` (``PipelineModule``, ``LayerSpec``,
+``TiedLayerSpec``). DeepSpeed names not
 listed here are absent, not stubbed (README, "Porting from DeepSpeed").
 
 The DeepSpeed *config* translation lives here under private names, imported directly by
@@ -21,10 +22,11 @@ and the engine under private names too:
 
     _initialize.py  initialize, add_config_arguments, init_distributed
     _engine.py      DeepSpeedEngine, the adapter over the native Engine
-    _params.py      parameter groups / optimizer instances carried across sharding
     _data.py        the DataLoader built from training_data; RepeatingLoader
     _save16.py      save_16bit_model
     _gathered.py    zero.GatheredParameters on FSDP2's sharded parameters
+    _partition.py   PipelineModule's partition methods
+    _pipe_config.py the config a PipelineModule gets (stages, split points, schedule)
 
 [Note: lazy deepspeed package] ``_config`` imports ``fsdpx.config``, and
 ``fsdpx.config`` imports ``_config`` inside ``Config.from_deepspeed``. If this file
@@ -41,6 +43,7 @@ from typing import Any as _Any
 # public name (a DeepSpeed name) -> module that defines it (a submodule is itself the value)
 _EXPORTS: dict[str, str] = {
     "DeepSpeedEngine": "fsdpx.deepspeed._engine",
+    "PipelineModule": "fsdpx.deepspeed.pipe",
     "accelerator": "fsdpx.deepspeed.accelerator",
     "add_config_arguments": "fsdpx.deepspeed._initialize",
     "checkpointing": "fsdpx.deepspeed.checkpointing",
@@ -49,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "init_distributed": "fsdpx.deepspeed._initialize",
     "initialize": "fsdpx.deepspeed._initialize",
     "ops": "fsdpx.deepspeed.ops",
+    "pipe": "fsdpx.deepspeed.pipe",
     "runtime": "fsdpx.deepspeed.runtime",
     "utils": "fsdpx.deepspeed.utils",
     "zero": "fsdpx.deepspeed.zero",

@@ -277,6 +277,34 @@ class DeepSpeedEngine(nn.Module):
         self._report(self.global_steps)
         return loss
 
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> torch.Tensor:
+        """Forward only over gradient_accumulation_steps batches of data_iter (DeepSpeed's
+        pipeline engine method; here for every layout). Returns the mean loss over the
+        micro-batches and data-parallel ranks, on every rank. DeepSpeed's variants that
+        return logits, skip the loss or change the reduction are refused."""
+        gas = self.gradient_accumulation_steps()
+        if return_logits or not compute_loss or reduce_output != "avg" or not bcast_loss:
+            raise ValueError(
+                "eval_batch supports DeepSpeed's default (the averaged loss, broadcast to "
+                f"every stage); got return_logits={return_logits}, compute_loss="
+                f"{compute_loss}, reduce_output={reduce_output!r}, bcast_loss={bcast_loss}. "
+                "For outputs, run engine.module on a single stage (pp = 1)"
+            )
+        if num_micro_batches not in (None, gas):
+            raise ValueError(
+                f"eval_batch(num_micro_batches={num_micro_batches}): the schedule runs "
+                f"gradient_accumulation_steps = {gas} micro-batches; pass None or {gas}"
+            )
+        return self._engine.eval_batch(data_iter)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' gradients (DeepSpeed sets them to None; so does this,
         whatever set_to_none says, since a zeroed sharded gradient holds memory for nothing)."""

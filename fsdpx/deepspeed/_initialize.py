@@ -12,6 +12,9 @@ overrides the config's "optimizer" section; with neither there is no optimizer, 
 DeepSpeed allows only for engines that never train — here it is an error, since the
 native engine always steps one. The scheduler likewise: `lr_scheduler=` (instance or
 callable `optimizer -> scheduler`) overrides the "scheduler" section.
+
+A `deepspeed.pipe.PipelineModule` runs through fsdpx's pipeline parallelism: the config
+gets its stage count, split points and schedule from the module (_pipe_config.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from torch import nn
 from fsdpx.config import Config
 from fsdpx.deepspeed._engine import DeepSpeedEngine
 from fsdpx.deepspeed._json import load_deepspeed_config
+from fsdpx.deepspeed._pipe_config import (
+    pipeline_config,
+    pipeline_ds_config,
+    pipeline_loss_fn,
+)
+from fsdpx.deepspeed.pipe import PipelineModule
 from fsdpx.param_groups import optimizer_groups, rebind_optimizer_, resolve_groups
 from fsdpx.sharding import shard
 
@@ -78,12 +87,25 @@ def initialize(
         )
     _show_info_logs()
     ds_config = _read_config(args, config, config_params)
-    cfg = Config.from_deepspeed(ds_config)
+    loss_fn = None
+    if isinstance(model, PipelineModule):
+        ds_config = pipeline_ds_config(model, ds_config)
+        cfg = pipeline_config(model, Config.from_deepspeed(ds_config))
+        loss_fn = pipeline_loss_fn(model)
+    else:
+        cfg = Config.from_deepspeed(ds_config)
     opt_arg, sched_arg = _optimizer_and_scheduler(model, ds_config, cfg, optimizer, lr_scheduler)
     groups = model_parameters
     if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is None:
         groups = None  # an instance keeps its own groups; None: every trainable parameter
-    engine = shard(model, cfg, optimizer=opt_arg, lr_scheduler=sched_arg, param_groups=groups)
+    engine = shard(
+        model,
+        cfg,
+        optimizer=opt_arg,
+        lr_scheduler=sched_arg,
+        loss_fn=loss_fn,
+        param_groups=groups,
+    )
     ds_engine = DeepSpeedEngine(
         engine, ds_config=ds_config, training_data=training_data, collate_fn=collate_fn
     )

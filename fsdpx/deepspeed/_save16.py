@@ -26,9 +26,16 @@ def save_16bit(engine: Engine, save_dir: Path, save_filename: str) -> None:
 
     Raises:
         ValueError: a file name that is neither .bin/.pt/.pth nor .safetensors.
-        NotImplementedError: a `.bin` file under pipeline parallelism.
+        NotImplementedError: under pipeline parallelism (no stage holds the whole model).
     """
     dtype = engine.config.precision.param_dtype
+    if engine.parallel_dims.pp > 1:
+        # Each stage holds part of the model; a gather over one stage would write a
+        # silently incomplete file.
+        raise NotImplementedError(
+            "save_16bit_model under pipeline parallelism: each stage holds part of the "
+            "model; use save_checkpoint, then `fsdpx-ckpt consolidate` for the full weights"
+        )
     if save_filename.endswith(".safetensors"):
         save_full_model(engine.module, save_dir, dtype=dtype)
         return
@@ -36,11 +43,6 @@ def save_16bit(engine: Engine, save_dir: Path, save_filename: str) -> None:
         raise ValueError(
             f"save_filename {save_filename!r}: expected a .bin/.pt/.pth (torch.save) or a "
             ".safetensors name"
-        )
-    if engine.parallel_dims.pp > 1:
-        raise NotImplementedError(
-            "save_16bit_model to a .bin file under pipeline parallelism: each stage holds "
-            "part of the model; pass save_filename='model.safetensors' (fsdpx's export)"
         )
     cast = torch_dtype(dtype)
     rank = dist.get_rank() if dist.is_initialized() else 0
