@@ -175,8 +175,9 @@ class LossScaleConfig:
 class OptimizerConfig:
     """The optimizer built when `fsdpx.shard` is called with optimizer=None."""
 
-    type: Literal["adamw", "adam", "sgd"] = "adamw"
-    """Which torch.optim optimizer to build."""
+    type: Literal["adamw", "adam", "sgd", "onebit_adam"] = "adamw"
+    """Which optimizer to build: torch.optim's AdamW, Adam or SGD, or
+    fsdpx.onebit_adam.OneBitAdam (1-bit compressed exchange; ZeRO stage 0 only)."""
     lr: float = 1e-3
     """Learning rate (the peak lr of a schedule whose max lr is left unset)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -187,6 +188,12 @@ class OptimizerConfig:
     """adamw: decoupled weight decay; adam/sgd: L2 penalty added to the gradient."""
     momentum: float = 0.0
     """sgd only."""
+    freeze_step: int = 100000
+    """onebit_adam only: full-precision warmup steps before the compressed exchange starts
+    (DeepSpeed's default)."""
+    bias_correction: bool = True
+    """onebit_adam: false drops Adam's bias correction (m and the frozen v used as they
+    are, which is what DeepSpeed's OnebitAdam did whatever its bias_correction said)."""
 
     def __post_init__(self) -> None:
         _check_unused(self, "optimizer", "type", _OPTIMIZER_KEYS[self.type])
@@ -208,6 +215,9 @@ _OPTIMIZER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
         "adamw": frozenset({"lr", "betas", "eps", "weight_decay"}),
         "adam": frozenset({"lr", "betas", "eps", "weight_decay"}),
         "sgd": frozenset({"lr", "momentum", "weight_decay"}),
+        "onebit_adam": frozenset(
+            {"lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction"}
+        ),
     }
 )
 
@@ -580,6 +590,8 @@ class Config:
             ">= 0 (0 disables clipping)",
         )
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "> 0 seconds")
+        if self.optimizer.type == "onebit_adam":
+            _check_onebit(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
@@ -649,3 +661,27 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+def _check_onebit(cfg: Config) -> None:
+    """1-bit Adam needs full replicas (DeepSpeed runs it at ZeRO stage 0 only)."""
+    _check(
+        cfg.optimizer.freeze_step >= 1,
+        "optimizer.freeze_step",
+        cfg.optimizer.freeze_step,
+        "an integer >= 1 (full-precision warmup steps)",
+    )
+    found = {
+        "zero.stage": (cfg.zero.stage, 0),
+        "mesh.tp": (cfg.mesh.tp, 1),
+        "mesh.pp": (cfg.mesh.pp, 1),
+        "zero.offload_optimizer.device": (cfg.zero.offload_optimizer.device, "none"),
+    }
+    for key, (value, needed) in found.items():
+        if value != needed:
+            raise ValueError(
+                f"optimizer.type 'onebit_adam' exchanges compressed momentum between full "
+                f"replicas (DeepSpeed runs 1-bit Adam at ZeRO stage 0 only), so it needs "
+                f"{key} = {needed!r}; got {value!r}. Set {key} = {needed!r}, or use "
+                "optimizer.type 'adamw'"
+            )

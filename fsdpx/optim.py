@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as torch_adam
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -15,10 +16,14 @@ from fsdpx.ops import adam_step, load_ops
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
+    params: Iterable[torch.nn.Parameter],
+    cfg: OptimizerConfig,
+    *,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer `cfg.type` over `params`, with torch's fastest implementation for the
     parameters' device (fused on CUDA, foreach on CPU where fused is not available).
+    `dp_group` is the data-parallel group onebit_adam exchanges over (default: the world).
 
     Example::
 
@@ -36,6 +41,19 @@ def build_optimizer(
     if cfg.type == "sgd":
         return torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    if cfg.type == "onebit_adam":
+        from fsdpx.onebit_adam import OneBitAdam
+
+        return OneBitAdam(
+            params,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            freeze_step=cfg.freeze_step,
+            bias_correction=cfg.bias_correction,
+            group=dp_group,
         )
     raise AssertionError(f"unhandled optimizer type {cfg.type!r}")  # config validated it
 

@@ -20,6 +20,7 @@ from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
 from fsdpx.offload import build_offload_optimizer, check_offload
+from fsdpx.onebit_adam import OneBitAdam
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.parallelize import parallelize
@@ -103,7 +104,13 @@ def shard(
     params = [p for p in cast(nn.Module, sharded).parameters() if p.requires_grad]
     opt = build_offload_optimizer(params, model, cfg, info.rank)
     if opt is None:
-        opt = optimizer(params) if callable(optimizer) else build_optimizer(params, cfg.optimizer)
+        if callable(optimizer):
+            opt = optimizer(params)
+        else:
+            dp_group = ParallelDims.dp_mesh(mesh).get_group()
+            opt = build_optimizer(params, cfg.optimizer, dp_group=dp_group)
+    if isinstance(opt, OneBitAdam):
+        opt.attach(cast(nn.Module, sharded))
     try:
         sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
         return Engine(
