@@ -25,6 +25,13 @@ the loss scaler see averaged gradients, as with Adam) and does nothing afterward
 exchange moves into `step`. Without `attach` (plain tensors, one replica per rank) `step`
 averages the warmup gradients itself.
 
+[Note: zero-variance mask] A sign cannot say zero: after the compressed exchange every
+element of the momentum is +-scale, including those whose gradient was exactly zero all
+through warmup (an embedding row of a token not yet seen). Their frozen variance is 0, so
+the update would be scale / eps: an explosion. DeepSpeed asked users for an
+``exp_avg_mask``; fsdpx derives it: momentum elements whose frozen variance is exactly 0
+are zeroed after each exchange (every rank has the same variance, so the same mask).
+
 The error buffers are per rank and are not in the state dict: after a load they restart at
 zero (as DeepSpeed's OnebitAdam reset them on load), which costs one step of compensation.
 """
@@ -191,6 +198,8 @@ class OneBitAdam(torch.optim.Optimizer):
                     if p not in self._errors:
                         self._errors[p] = OneBitState.zeros(m.numel(), w, m.device)
                     compressed_all_reduce(m, self._errors[p], self.group)
+                    # [Note: zero-variance mask]
+                    m.masked_fill_(v == 0, 0.0)
                 m_hat_scale, v_hat = 1.0, v
                 if group["bias_correction"]:
                     m_hat_scale = 1 / (1 - beta1**t)

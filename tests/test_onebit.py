@@ -130,7 +130,11 @@ WD = 0.1
 
 def _grads(world: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [[torch.randn(SHAPE, generator=g) for _ in range(world)] for _ in range(OPT_STEPS)]
+    out = [[torch.randn(SHAPE, generator=g) for _ in range(world)] for _ in range(OPT_STEPS)]
+    for step in out:  # element (0, 0) never gets a gradient: [Note: zero-variance mask]
+        for grad in step:
+            grad[0, 0] = 0.0
+    return out
 
 
 def _opt_body(rank: int, world: int) -> dict[str, Any]:
@@ -160,6 +164,7 @@ def _reference_adam(world: int) -> torch.Tensor:
             ms = [m.clone() for _ in range(world)]
         else:
             m = exchange([b1 * ms[r] + (1 - b1) * grads[r] for r in range(world)])
+            m[v == 0] = 0.0
             ms = [m.clone() for _ in range(world)]
         update = (m / (1 - b1**t)) / ((v / (1 - b2 ** min(t, FREEZE))).sqrt() + eps)
         p = p - LR * (update + WD * p)
@@ -172,6 +177,8 @@ def test_onebit_adam_matches_reference_and_compresses_after_freeze() -> None:
     expected = _reference_adam(world)
     for res in results:
         torch.testing.assert_close(res["param"], expected)
+    # The element with no gradient moved by weight decay alone.
+    assert float(expected[0, 0]) == pytest.approx(-1 * (1 - LR * WD) ** OPT_STEPS)
     compressed = ["all_to_all_single"] + ["all_gather_into_tensor"] * 3
     assert results[0]["kinds"] == [["all_reduce"]] * FREEZE + [compressed] * (OPT_STEPS - FREEZE)
 
@@ -260,3 +267,54 @@ def test_single_process_is_plain_adam_in_warmup() -> None:
         opt.step()
         ref.step()
     torch.testing.assert_close(p, q)
+
+
+def _resume_body(rank: int, world: int, root: str) -> dict[str, Any]:
+    cfg = fsdpx.Config.from_dict(
+        {"zero": {"stage": 0}, "optimizer": {"type": "onebit_adam", "lr": 1e-2, "freeze_step": 2}}
+    )
+    data = global_batches(4, 1)
+
+    def run(engine: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        for micro in steps:
+            for x, y in micro:
+                engine.backward(engine(shard_batch(x, rank, world), shard_batch(y, rank, world)))
+                engine.step()
+
+    def params(e: Any) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().detach().clone() for n, p in e.module.named_parameters()}
+
+    straight = fsdpx.shard(make_model(), cfg)
+    run(straight, data)
+    first = fsdpx.shard(make_model(), cfg)
+    run(first, data[:1])  # inside the freeze phase: no error buffers exist yet
+    first.save_checkpoint(root)
+    resumed = fsdpx.shard(make_model(seed=5), cfg)
+    resumed.load_checkpoint(root)
+    assert isinstance(resumed.optimizer, OneBitAdam) and not resumed.optimizer.compressing
+    run(resumed, data[1:])  # one more warmup step, then two compressed ones
+    assert resumed.optimizer.compressing
+    # After a load inside the compressed phase the error buffers restart at zero (as
+    # DeepSpeed's did); the loaded moments are still exact.
+    resumed.save_checkpoint(root)
+    again = fsdpx.shard(make_model(seed=6), cfg)
+    again.load_checkpoint(root)
+    moments = {}
+    for (name, p), q in zip(
+        resumed.module.named_parameters(), again.module.parameters(), strict=True
+    ):
+        saved, loaded = resumed.optimizer.state[p], again.optimizer.state[q]
+        moments[name] = [
+            float((saved[k].full_tensor() - loaded[k].full_tensor()).abs().max())
+            for k in ("exp_avg", "exp_avg_sq")
+        ] + [int(saved["step"]), int(loaded["step"])]
+    return {"straight": params(straight), "resumed": params(resumed), "moments": moments}
+
+
+def test_onebit_adam_resumes_from_a_checkpoint(tmp_path: Any) -> None:
+    results = run_ranks(_resume_body, 2, (str(tmp_path),))
+    for res in results:
+        for name, p in res["resumed"].items():
+            torch.testing.assert_close(p, res["straight"][name], msg=f"{name} differs")
+        for name, (dm, dv, step_a, step_b) in res["moments"].items():
+            assert dm == dv == 0.0 and step_a == step_b == 4, name
