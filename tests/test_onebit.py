@@ -101,9 +101,9 @@ def test_compressed_all_reduce_matches_reference_and_counts_bytes() -> None:
     # server-sign bytes; 4-byte server scale.
     one_call = [
         ("all_to_all_single", 3),
-        ("all_gather_into_tensor", 4),
-        ("all_gather_into_tensor", 3),
-        ("all_gather_into_tensor", 4),
+        ("all_gather_single", 4),
+        ("all_gather_single", 3),
+        ("all_gather_single", 4),
     ]
     assert results[0]["records"] == one_call * CALLS
     fp32_all_reduce = 2 * (world - 1) * 4 * math.prod(SHAPE) // world
@@ -179,7 +179,7 @@ def test_onebit_adam_matches_reference_and_compresses_after_freeze() -> None:
         torch.testing.assert_close(res["param"], expected)
     # The element with no gradient moved by weight decay alone.
     assert float(expected[0, 0]) == pytest.approx(-1 * (1 - LR * WD) ** OPT_STEPS)
-    compressed = ["all_to_all_single"] + ["all_gather_into_tensor"] * 3
+    compressed = ["all_to_all_single"] + ["all_gather_single"] * 3
     assert results[0]["kinds"] == [["all_reduce"]] * FREEZE + [compressed] * (OPT_STEPS - FREEZE)
 
 
@@ -218,7 +218,7 @@ def test_shard_onebit_adam_equals_plain_replicas() -> None:
     assert "all_to_all_single" in kinds and "all_reduce" in kinds
     # After the freeze phase no fp32 all-reduce is counted (FSDP issues none either).
     last = len(kinds) - kinds[::-1].index("all_reduce")
-    assert set(kinds[last:]) == {"all_to_all_single", "all_gather_into_tensor"}
+    assert set(kinds[last:]) == {"all_to_all_single", "all_gather_single"}
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ here yet: the quantized-collective work plugs into this package when it lands.
 from fsdpx.comm.counted import (
     CommLog,
     CommRecord,
-    all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     all_to_all_single,
     comm_log,
@@ -21,7 +21,7 @@ __all__ = [
     "CommLog",
     "CommRecord",
     "OneBitState",
-    "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
     "all_to_all_single",
     "comm_log",

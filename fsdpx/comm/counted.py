@@ -4,11 +4,11 @@ Byte formulas (what *this rank sends* on the wire for one call, ``W`` = group si
 ``B`` = the byte size of the tensor named), following the standard ring / pairwise
 algorithms gloo and NCCL use:
 
-| kind                     | bytes this rank sends        |
-|--------------------------|------------------------------|
-| all_reduce               | 2 * (W - 1) / W * B(tensor)  |
-| all_to_all_single        | (W - 1) / W * B(input)       |
-| all_gather_into_tensor   | (W - 1) * B(input)           |
+| kind               | bytes this rank sends        |
+|--------------------|------------------------------|
+| all_reduce         | 2 * (W - 1) / W * B(tensor)  |
+| all_to_all_single  | (W - 1) / W * B(input)       |
+| all_gather_single  | (W - 1) * B(input)           |
 
 (all-reduce = reduce-scatter + all-gather of 1/W pieces; all-to-all keeps its own 1/W
 piece; all-gather forwards W - 1 pieces of the input's size.) Integer division rounds down;
@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-Kind = Literal["all_reduce", "all_to_all_single", "all_gather_into_tensor"]
+Kind = Literal["all_reduce", "all_to_all_single", "all_gather_single"]
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,10 @@ def all_to_all_single(
     dist.all_to_all_single(output, input, group=group)
 
 
-def all_gather_into_tensor(
+def all_gather_single(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> None:
     """`output` = every rank's `input`, concatenated in rank order, counted."""
     w = _size(group)
-    _LOG.add("all_gather_into_tensor", (w - 1) * _nbytes(input), w)
-    dist.all_gather_into_tensor(output, input, group=group)
+    _LOG.add("all_gather_single", (w - 1) * _nbytes(input), w)
+    dist.all_gather_single(output, input, group=group)

@@ -109,14 +109,14 @@ def compressed_all_reduce(
     received = torch.empty_like(packed)
     counted.all_to_all_single(received, packed, group)
     scales = torch.empty(w, dtype=torch.float32, device=tensor.device)
-    counted.all_gather_into_tensor(scales, scale, group)
+    counted.all_gather_single(scales, scale, group)
     # 2. server side: average this rank's chunk, compress it again with its own error.
     chunk = unpack_signs(received).view(w, -1)
     mean = (chunk * scales.unsqueeze(1)).sum(0) / w
     server_scale, server_packed = compress_(mean, state.server_error)
     all_packed = torch.empty(big_n // 8, dtype=torch.uint8, device=tensor.device)
-    counted.all_gather_into_tensor(all_packed, server_packed, group)
+    counted.all_gather_single(all_packed, server_packed, group)
     server_scales = torch.empty(w, dtype=torch.float32, device=tensor.device)
-    counted.all_gather_into_tensor(server_scales, server_scale, group)
+    counted.all_gather_single(server_scales, server_scale, group)
     result = unpack_signs(all_packed).view(w, -1) * server_scales.unsqueeze(1)
     tensor.copy_(result.view(-1)[:n].view_as(tensor))
