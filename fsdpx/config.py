@@ -176,8 +176,9 @@ class LossScaleConfig:
 class OptimizerConfig:
     """The optimizer built when `fsdpx.shard` is called with optimizer=None."""
 
-    type: Literal["adamw", "adam", "sgd"] = "adamw"
-    """Which optimizer to build: a row of fsdpx.optimizers.OPTIMIZERS (the keys it reads)."""
+    type: Literal["adamw", "adam", "sgd", "onebit_adam"] = "adamw"
+    """Which optimizer to build: a row of fsdpx.optimizers.OPTIMIZERS (the keys it reads);
+    onebit_adam is fsdpx.onebit_adam.OneBitAdam (1-bit compressed exchange, ZeRO stage 0)."""
     lr: float = 1e-3
     """Learning rate (the peak lr of a schedule whose max lr is left unset)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -188,10 +189,14 @@ class OptimizerConfig:
     """adamw: decoupled weight decay; adam/sgd: L2 penalty added to the gradient."""
     momentum: float = 0.0
     """sgd only."""
+    freeze_step: int = 100000
+    """onebit_adam only: full-precision warmup steps before the compressed exchange starts
+    (DeepSpeed's default)."""
     bias_correction: bool = True
-    """adam/adamw only: false drops Adam's bias correction (DeepSpeed's FusedAdam
+    """adam/adamw: false drops Adam's bias correction (DeepSpeed's FusedAdam
     ``bias_correction=False``: step size lr, denominator sqrt(v) + eps). torch.optim has no
-    such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead."""
+    such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead. onebit_adam: false uses m and
+    the frozen v as they are (what DeepSpeed's OnebitAdam did whatever its flag said)."""
 
     def __post_init__(self) -> None:
         _check_unused(self, "optimizer", "type", OPTIMIZER_KEYS[self.type])
@@ -576,6 +581,8 @@ class Config:
             ">= 0 (0 disables clipping)",
         )
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "> 0 seconds")
+        if self.optimizer.type == "onebit_adam":
+            _check_onebit(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
@@ -645,3 +652,27 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+def _check_onebit(cfg: Config) -> None:
+    """1-bit Adam needs full replicas (DeepSpeed runs it at ZeRO stage 0 only)."""
+    _check(
+        cfg.optimizer.freeze_step >= 1,
+        "optimizer.freeze_step",
+        cfg.optimizer.freeze_step,
+        "an integer >= 1 (full-precision warmup steps)",
+    )
+    found = {
+        "zero.stage": (cfg.zero.stage, 0),
+        "mesh.tp": (cfg.mesh.tp, 1),
+        "mesh.pp": (cfg.mesh.pp, 1),
+        "zero.offload_optimizer.device": (cfg.zero.offload_optimizer.device, "none"),
+    }
+    for key, (value, needed) in found.items():
+        if value != needed:
+            raise ValueError(
+                f"optimizer.type 'onebit_adam' exchanges compressed momentum between full "
+                f"replicas (DeepSpeed runs 1-bit Adam at ZeRO stage 0 only), so it needs "
+                f"{key} = {needed!r}; got {value!r}. Set {key} = {needed!r}, or use "
+                "optimizer.type 'adamw'"
+            )

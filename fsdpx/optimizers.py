@@ -84,6 +84,22 @@ def _build_sgd(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Opti
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def _build_onebit_adam(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from fsdpx.onebit_adam import OneBitAdam
+
+    # Its exchange group is the world: onebit_adam runs at ZeRO stage 0 with tp = pp = 1
+    # only (checked by the config), where the data-parallel group is the world.
+    return OneBitAdam(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        freeze_step=cfg.freeze_step,
+        bias_correction=cfg.bias_correction,
+    )
+
+
 def _adam_state_bytes(cfg: OptimizerConfig, local_bytes: int, tensors: int) -> int:
     return 2 * local_bytes + _FP32 * tensors  # exp_avg, exp_avg_sq; fp32 `step` per tensor
 
@@ -116,6 +132,17 @@ OPTIMIZERS: Mapping[str, OptimizerSpec] = types.MappingProxyType(
             build=_build_sgd,
             state_bytes=_sgd_state_bytes,
             deepspeed_types=("sgd",),
+            decoupled_weight_decay=None,
+        ),
+        "onebit_adam": OptimizerSpec(
+            keys=frozenset(
+                {"lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction"}
+            ),
+            build=_build_onebit_adam,
+            # exp_avg, exp_avg_sq and step as Adam's (the error-feedback buffers are not
+            # optimizer state: fsdpx/onebit_adam.py).
+            state_bytes=_adam_state_bytes,
+            deepspeed_types=("onebitadam",),
             decoupled_weight_decay=None,
         ),
     }

@@ -231,6 +231,7 @@ def parallelize_part(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         block_reshard_after_forward=block_reshard_after_forward,
+        fsdp_all_reduce=cfg.optimizer.type != "onebit_adam",
     )
 
 

@@ -26,6 +26,7 @@ from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
 from fsdpx.offload import build_offload, check_offload
+from fsdpx.onebit_adam import OneBitAdam
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.parallelize import parallelize
@@ -123,6 +124,8 @@ def shard(
     opt = offloaded.optimizer
     if opt is None:
         opt = optimizer(groups) if callable(optimizer) else build_optimizer(groups, cfg.optimizer)
+    if isinstance(opt, OneBitAdam):
+        opt.attach(cast(nn.Module, sharded))
     try:
         sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
         return Engine(

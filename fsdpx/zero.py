@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fsdpx.config import ZeroConfig
-from fsdpx.parallel_dims import ParallelDims
+from fsdpx.parallel_dims import Axis, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ def apply_zero(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None = None,
     block_reshard_after_forward: bool | int | None = None,
+    fsdp_all_reduce: bool = True,
 ) -> FSDPModule:
     """Shard each block, then the root, with the settings of `zero.stage`, in place.
 
@@ -75,6 +76,9 @@ def apply_zero(
         block_reshard_after_forward: overrides the stage's block setting (pipeline
             parallelism forces False: [Note: no resharding under PP] in
             fsdpx/parallelize.py).
+        fsdp_all_reduce: False at stage 0 shards over the one-rank shard axis only, so FSDP
+            issues no gradient collective: the optimizer exchanges gradients itself
+            ([Note: who owns the gradient exchange] in fsdpx/onebit_adam.py).
     Returns:
         The model, now an FSDPModule.
     """
@@ -83,6 +87,14 @@ def apply_zero(
     if block_reshard_after_forward is not None:
         raf = block_reshard_after_forward
     offload = offload_policy or OffloadPolicy()
+    if not fsdp_all_reduce:
+        if zero.stage != 0:
+            raise ValueError(
+                f"only ZeRO stage 0 can leave the gradient exchange to the optimizer "
+                f"(full replicas); got stage {zero.stage}"
+            )
+        if mesh.ndim == 2:
+            mesh = mesh[Axis.DP_SHARD.value]
     for block in blocks:
         fully_shard(
             block,

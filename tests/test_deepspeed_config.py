@@ -282,7 +282,10 @@ REFUSALS = [
         "optimizer.type: optimizer type 'Lamb' is not built into fsdpx; pass optimizer=callable to fsdpx.shard",
     ),
     ({"optimizer": {"type": "Lion"}}, "optimizer type 'Lion' is not built into fsdpx"),
-    ({"optimizer": {"type": "OneBitAdam"}}, "optimizer type 'OneBitAdam' is not built into fsdpx"),
+    (
+        {"optimizer": {"type": "ZeroOneAdam"}},
+        r"0/1 Adam \(ZeroOneAdam\) is not implemented in fsdpx \(1-bit Adam is: type OneBitAdam",
+    ),
     (
         {"scheduler": {"type": "LRRangeTest"}},
         "scheduler type 'LRRangeTest' is not built into fsdpx.*pass lr_scheduler=callable",

@@ -92,7 +92,7 @@ def test_every_row_says_why(extracted: dict[str, Any]) -> None:
         ("progressive_layer_drop", "refused"),
         ("zero_optimization.zenflow", "refused"),
         ("torch_autocast", "refused"),
-        ("optimizer.params.freeze_step", "refused"),
+        ("optimizer.params.freeze_step", "mapped"),
         ("optimizer.params.bias_correction", "mapped"),
     ],
 )

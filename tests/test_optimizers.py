@@ -64,7 +64,12 @@ def test_state_bytes_match_a_real_step() -> None:
 
 
 def test_deepspeed_table_reads_the_registry() -> None:
-    assert dict(OPTIMIZER_TYPES) == {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+    assert dict(OPTIMIZER_TYPES) == {
+        "adam": "adamw",
+        "adamw": "adamw",
+        "sgd": "sgd",
+        "onebitadam": "onebit_adam",
+    }
     assert set(OPTIMIZER_PARAM_KEYS) == {
         "lr",
         "betas",
@@ -72,6 +77,7 @@ def test_deepspeed_table_reads_the_registry() -> None:
         "weight_decay",
         "momentum",
         "bias_correction",
+        "freeze_step",
     }
     for key in OPTIMIZER_PARAM_KEYS:
         assert DS_KEYS[f"optimizer.params.{key}"].target == f"optimizer.{key}"

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from fsdpx.config import SCHEDULER_KEYS, Config
 from fsdpx.deepspeed._json import load_deepspeed_config
-from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES, KeyRule
+from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES, UNBUILT_OPTIMIZERS, KeyRule
 
 logger = logging.getLogger("fsdpx")
 
@@ -259,6 +259,17 @@ class _Translator:
             return
         raw = self.leaves.get("optimizer.type")
         kind = OPTIMIZER_TYPES.get(str(raw).lower())
+        unbuilt = UNBUILT_OPTIMIZERS.get(str(raw).lower())
+        if unbuilt is not None:
+            self._row(
+                "optimizer.type",
+                raw,
+                "refused",
+                f"{unbuilt} is not implemented in fsdpx (1-bit Adam is: type OneBitAdam, "
+                "with freeze_step, at ZeRO stage 0); use OneBitAdam or Adam, or pass "
+                "optimizer=callable to fsdpx.shard and remove the optimizer block",
+            )
+            return
         if kind is None:
             self._row(
                 "optimizer.type",
@@ -277,10 +288,26 @@ class _Translator:
         if str(raw).lower() == "adam" and kind == "adamw":
             note = " (DeepSpeed's Adam has adam_w_mode true by default: decoupled weight decay)"
         self._map("optimizer.type", "optimizer.type", kind, note)
+        if kind == "onebit_adam":
+            self._onebit_bias_correction()
         if "optimizer.params.adam_w_mode" in self.leaves:
             self._row(
                 "optimizer.params.adam_w_mode", w_mode, "mapped", f"optimizer.type = {kind!r}"
             )
+
+    def _onebit_bias_correction(self) -> None:
+        key = "optimizer.params.bias_correction"
+        value = self.leaves.get(key, True)
+        if not isinstance(value, bool):
+            self._error(key, value, "must be true or false")
+            return
+        self._map(
+            key,
+            "optimizer.bias_correction",
+            value,
+            " (DeepSpeed's OnebitAdam accepted bias_correction but never applied it: its "
+            "updates were uncorrected, as fsdpx's are with false; fsdpx applies true)",
+        )
 
     def _scheduler(self) -> None:
         if "scheduler" not in self.sections:

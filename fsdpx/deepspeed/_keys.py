@@ -113,6 +113,29 @@ def _offload_rules(prefix: str, target: str, extra: dict[str, KeyRule]) -> dict[
     return rules
 
 
+_ONEBIT_UNBUILT_PARAMS = (
+    "var_freeze_step",
+    "var_update_scaler",
+    "local_step_scaler",
+    "local_step_clipper",
+    "max_coeff",
+    "min_coeff",
+    "coeff_beta",
+    "factor_max",
+    "factor_min",
+    "factor_threshold",
+)
+"""0/1 Adam's (var_*, local_step_*) and 1-bit Lamb's (coeff, factor) parameters."""
+
+UNBUILT_OPTIMIZERS: Mapping[str, str] = types.MappingProxyType(
+    {
+        "zerooneadam": "0/1 Adam (ZeroOneAdam)",
+        "onebitlamb": "1-bit Lamb (OneBitLamb)",
+    }
+)
+"""Lower-cased DeepSpeed 1-bit optimizer types fsdpx does not implement -> their names."""
+
+
 def _table() -> dict[str, KeyRule]:
     t: dict[str, KeyRule] = {
         # --- batch size and optimizer-step shape ----------------------------------------
@@ -412,8 +435,9 @@ def _table() -> dict[str, KeyRule]:
             ),
             "optimizer.type": _mapped(
                 "Adam (adam_w_mode true, DeepSpeed's default) / AdamW -> adamw; Adam with "
-                "adam_w_mode false -> adam; SGD -> sgd; any other type is refused (pass "
-                "optimizer=callable to fsdpx.shard)"
+                "adam_w_mode false -> adam; SGD -> sgd; OneBitAdam -> onebit_adam (ZeRO "
+                "stage 0, as in DeepSpeed); any other type (ZeroOneAdam and OneBitLamb among "
+                "them) is refused (pass optimizer=callable to fsdpx.shard)"
             ),
             "optimizer.legacy_fusion": _ignored("DeepSpeed's kernel choice", INTERNAL),
             "optimizer.params": _section(),
@@ -447,6 +471,23 @@ def _table() -> dict[str, KeyRule]:
                 "torch.optim.SGD(p, nesterov=True, ...) to fsdpx.shard",
                 False,
             ),
+            # 1-bit Adam (fsdpx.onebit_adam); DeepSpeed 0.19.8 no longer ships the 1-bit
+            # family, but configs written for earlier releases carry these keys.
+            "optimizer.params.freeze_step": _mapped(
+                "OneBitAdam: full-precision warmup steps", "optimizer.freeze_step"
+            ),
+            "optimizer.params.cuda_aware": _ignored(
+                "1-bit optimizers: DeepSpeed's switch for CUDA-aware MPI; fsdpx's compressed "
+                "exchange runs on the data-parallel process group (NCCL on CUDA, gloo on "
+                "CPU), which moves device tensors itself",
+                NOT_APPLICABLE,
+            ),
+            "optimizer.params.comm_backend_name": _ignored(
+                "1-bit optimizers: DeepSpeed's choice of its NCCL or MPI compressed backend; "
+                "fsdpx's exchange uses the data-parallel process group's backend (the same "
+                "sign + scale algorithm, counted by fsdpx.comm)",
+                NOT_APPLICABLE,
+            ),
             "scheduler": _section("-> scheduler (DeepSpeed's schedules, same parameter names)"),
             "scheduler.type": _mapped(
                 "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle -> scheduler.type; others "
@@ -464,6 +505,11 @@ def _table() -> dict[str, KeyRule]:
             ),
         }
     )
+    for name in _ONEBIT_UNBUILT_PARAMS:
+        t[f"optimizer.params.{name}"] = _refused(
+            "a parameter of 0/1 Adam / 1-bit Lamb, which fsdpx does not implement (see "
+            "optimizer.type); 1-bit Adam is built in: type OneBitAdam with freeze_step"
+        )
     names = sorted(set().union(*SCHEDULER_KEYS.values()))
     for name in names:
         t[f"scheduler.params.{name}"] = _mapped("", f"scheduler.{name}")

@@ -37,26 +37,9 @@ _INTERNAL = "DeepSpeed-internal implementation switch"
 _NA = "not applicable to fsdpx"
 _OFFLOAD = "DeepSpeed's offload buffer tuning"
 
-_ONEBIT = (
-    "1-bit optimizers are not implemented yet (1-bit Adam, 0/1 Adam, 1-bit Lamb); use "
-    "optimizer type Adam/AdamW and remove the key"
-)
-_ONEBIT_PARAMS = (
-    "freeze_step",
-    "cuda_aware",
-    "comm_backend_name",
-    "var_freeze_step",
-    "var_update_scaler",
-    "local_step_scaler",
-    "local_step_clipper",
-    "coeff_beta",
-    "factor_max",
-    "factor_min",
-    "factor_threshold",
-)
-"""Parameters of DeepSpeed's 1-bit optimizer family (OnebitAdam, ZeroOneAdam, OnebitLamb).
-DeepSpeed 0.19.8 no longer ships those optimizers, but configs written for earlier
-releases (DeepSpeed's own examples among them) still carry these keys."""
+# The 1-bit family's parameters (freeze_step, cuda_aware, ... max_coeff) have their rows in
+# _keys.py with OneBitAdam; DeepSpeed 0.19.8 no longer ships those optimizers, but configs
+# written for earlier releases still carry the keys.
 
 _LAMB = "Lamb is not implemented yet; use optimizer type Adam/AdamW and remove the key"
 _REMOVED = "DeepSpeed 0.19.8 removed this feature too (it raises DeepSpeedConfigError)"
@@ -279,8 +262,6 @@ def more_rules() -> dict[str, Rule]:
             "to fsdpx.shard"
         ),
         "optimizer.params.eps_inside_sqrt": _refused(_LAMB),
-        "optimizer.params.max_coeff": _refused(_LAMB),
-        "optimizer.params.min_coeff": _refused(_LAMB),
     }
     for name in (
         "free_activation",
@@ -302,8 +283,6 @@ def more_rules() -> dict[str, Rule]:
         "autoep_non_moe",
     ):
         r[f"compile.{name}"] = _ignored(_DEEPCOMPILE, _NA)
-    for name in _ONEBIT_PARAMS:
-        r[f"optimizer.params.{name}"] = _refused(_ONEBIT)
     for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow"):
         r[f"bfloat16.{name}"] = r[f"bf16.{name}"]
     for name in ("min_lr", "step_rate", "step_size", "staircase"):

@@ -1,0 +1,105 @@
+"""Counted collectives: thin wrappers over torch.distributed that record each call.
+
+Byte formulas (what *this rank sends* on the wire for one call, ``W`` = group size,
+``B`` = the byte size of the tensor named), following the standard ring / pairwise
+algorithms gloo and NCCL use:
+
+| kind               | bytes this rank sends        |
+|--------------------|------------------------------|
+| all_reduce         | 2 * (W - 1) / W * B(tensor)  |
+| all_to_all_single  | (W - 1) / W * B(input)       |
+| all_gather_single  | (W - 1) * B(input)           |
+
+(all-reduce = reduce-scatter + all-gather of 1/W pieces; all-to-all keeps its own 1/W
+piece; all-gather forwards W - 1 pieces of the input's size.) Integer division rounds down;
+a one-rank group sends nothing.
+
+[Note: one comm log] The log is process-wide (`comm_log()`), like torch's own default
+group: the collectives that make up one operation (a compressed all-reduce issues four) are
+recorded where they are issued, so a reader can sum any window of sequence numbers. A
+caller that wants per-step figures takes `mark()` before and `bytes_since(mark)` after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Kind = Literal["all_reduce", "all_to_all_single", "all_gather_single"]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call."""
+
+    kind: Kind
+    seq: int
+    """Position in this process's log, from 0."""
+    bytes_sent: int
+    """Bytes this rank sends (the module docstring's formula for `kind`)."""
+    group_size: int
+
+
+@dataclass
+class CommLog:
+    """The collectives this process issued through fsdpx.comm, in order."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def add(self, kind: Kind, bytes_sent: int, group_size: int) -> None:
+        self.records.append(CommRecord(kind, len(self.records), bytes_sent, group_size))
+
+    def mark(self) -> int:
+        """The next sequence number (pass it to `bytes_since`)."""
+        return len(self.records)
+
+    def bytes_since(self, mark: int) -> int:
+        """Bytes sent by the calls with seq >= `mark`."""
+        return sum(r.bytes_sent for r in self.records[mark:])
+
+    def kinds_since(self, mark: int) -> list[Kind]:
+        return [r.kind for r in self.records[mark:]]
+
+
+_LOG = CommLog()
+
+
+def comm_log() -> CommLog:
+    """This process's log ([Note: one comm log])."""
+    return _LOG
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """In-place sum all-reduce of `tensor` over `group`, counted."""
+    w = _size(group)
+    _LOG.add("all_reduce", 2 * (w - 1) * _nbytes(tensor) // w, w)
+    dist.all_reduce(tensor, group=group)
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """Rank r's i-th 1/W piece of `input` lands in rank i's r-th piece of `output`, counted."""
+    w = _size(group)
+    _LOG.add("all_to_all_single", (w - 1) * _nbytes(input) // w, w)
+    dist.all_to_all_single(output, input, group=group)
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """`output` = every rank's `input`, concatenated in rank order, counted."""
+    w = _size(group)
+    _LOG.add("all_gather_single", (w - 1) * _nbytes(input), w)
+    dist.all_gather_single(output, input, group=group)
