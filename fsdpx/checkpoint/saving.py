@@ -411,7 +411,7 @@ class Checkpointer:
         owner = external_state_owner(model, optimizer)
         write_now = not self.async_save or _save_synchronously(owner)
 
-        def committed(path: Path, nbytes: int) -> None:
+        def report_commit(path: Path, nbytes: int) -> None:
             if on_commit is None:
                 return
             took = time.perf_counter() - started
@@ -441,12 +441,12 @@ class Checkpointer:
                 # Vote in the foreground so every rank fails now, not at the next wait.
                 return _write_and_commit(exc, options, group)
             if write_now:
-                return _write_and_commit(plan, options, group, committed)
+                return _write_and_commit(plan, options, group, report_commit)
             plan.pieces = snapshot(plan.pieces, self._staging)
 
         def job() -> Path:
             with failure_guard():
-                return _write_and_commit(plan, options, group, committed)
+                return _write_and_commit(plan, options, group, report_commit)
 
         self._writer.submit(job)
         return plan.root / plan.tag

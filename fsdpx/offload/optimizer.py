@@ -98,6 +98,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         params_list = [s.param for s in self._slots]
         on_accel = any(local(p).device.type != "cpu" for p in params_list)
         pin = host_pin(offload.pin_memory, section="offload_optimizer", default=on_accel)
+        self.pin_memory = pin
+        """Whether the host state is pinned (resolved once: pin.py's note)."""
         masters = {id(p): local(p).detach().float() for p in params_list}
         if device_dtype is not None:
             cast_device_params_(params_list, device_dtype, model)
