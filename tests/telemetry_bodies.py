@@ -129,7 +129,7 @@ def save_and_load_with_telemetry(
     the async checkpoint's MANIFEST mtime (the event must come after the commit)."""
     import os
 
-    from fsdpx.checkpoint.format import MANIFEST_NAME
+    from checkpoint_tools.format import MANIFEST_NAME
 
     out: dict[str, Any] = {}
     for mode in ("sync", "async"):
