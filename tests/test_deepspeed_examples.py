@@ -69,33 +69,11 @@ def _hf_reference(steps: int) -> dict[str, torch.Tensor]:
         import hf_causal_lm as example
     finally:
         sys.path.remove(str(EXAMPLES))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from fsdpx.deepspeed.runtime.lr_schedules import WarmupDecayLR
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    )
-    no_decay = ["bias", "norm.weight"]
-    groups = [
-        {
-            "params": [p for n, p in model.named_parameters() if not any(d in n for d in no_decay)],
-            "weight_decay": 0.1,
-        },
-        {
-            "params": [p for n, p in model.named_parameters() if any(d in n for d in no_decay)],
-            "weight_decay": 0.0,
-        },
-    ]
+    model = example.build_model()
+    groups = example.param_groups(model)
     opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
     sched = WarmupDecayLR(
         opt, total_num_steps=steps, warmup_max_lr=1e-3, warmup_num_steps=2, warmup_type="linear"

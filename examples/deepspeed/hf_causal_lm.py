@@ -39,15 +39,8 @@ def batches(steps, global_batch, seq=16, vocab=128, seed=0):
         yield x
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", default="out/hf_causal_lm")
-    parser = deepspeed.add_config_arguments(parser)
-    args = parser.parse_args()
-    deepspeed.init_distributed()
-
-    torch.manual_seed(0)
+def build_model():
+    """A tiny Llama from a config (nothing is downloaded)."""
     config = LlamaConfig(
         vocab_size=128,
         hidden_size=32,
@@ -57,9 +50,13 @@ def main():
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def param_groups(model):
+    """The usual pattern: no weight decay for biases and norm weights."""
     no_decay = ["bias", "norm.weight"]
-    groups = [
+    return [
         {
             "params": [
                 p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)
@@ -71,6 +68,19 @@ def main():
             "weight_decay": 0.0,
         },
     ]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default="out/hf_causal_lm")
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    deepspeed.init_distributed()
+
+    torch.manual_seed(0)
+    model = build_model()
+    groups = param_groups(model)
     optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
     scheduler = WarmupDecayLR(
         optimizer,
