@@ -167,11 +167,16 @@ def test_pinned_offload_buffers_take_exactly_their_size(tmp_path: Path) -> None:
 
 
 def _page_locked(t: torch.Tensor) -> bool:
-    """Whether `t`'s memory is registered with CUDA (page_lock_): registering it again
-    fails with cudaErrorHostMemoryAlreadyRegistered. (torch's is_pinned() knows only its
-    own pinned allocator's blocks.)"""
+    """Whether `t`'s memory is registered with CUDA (page_lock_). (torch's is_pinned() knows
+    only its own pinned allocator's blocks.)
+
+    Asked by unregistering and registering it again, not by registering it a second time:
+    a failed cudaHostRegister (cudaErrorHostMemoryAlreadyRegistered) stays the runtime's
+    last error, and torch's next launch check reports it in whichever test runs next
+    (seen on an H200: `test_ops_adam`'s first `.cuda()` failed with "already mapped")."""
     cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-    if err == 0:
-        cudart.cudaHostUnregister(t.data_ptr())
-    return err == 712
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if int(cudart.cudaHostUnregister(ptr)) != 0:
+        return False
+    assert int(cudart.cudaHostRegister(ptr, nbytes, 0)) == 0
+    return True
