@@ -65,6 +65,16 @@ def train_and_fail(
     The failing rank writes time.time() to <marks>/failed_at first.
     """
     assert how in HOW, how
+    # [Note: short timeouts on a loaded machine] With timeout_s=5 every collective of the
+    # healthy steps must also meet within 5 s: on a shared machine (CI, load ~30 on 2 cores)
+    # one rank can reach shard()'s first collective, or a step's first all-gather, more than
+    # 5 s after the other and the run times out before anyone fails (seen twice). A barrier
+    # on a group of its own (a new group keeps torch's 30-minute default: shard() shortens
+    # only the default group and the mesh's groups) lines the ranks up before shard() and
+    # before each step; the short timeout then covers only a step's own work, which both
+    # ranks do side by side.
+    line_up = dist.new_group(backend="gloo")
+    dist.barrier(group=line_up)
     cfg = fsdpx.Config.from_dict({"zero": {"stage": 3}, "timeout_s": timeout_s})
     engine = fsdpx.shard(make_model(), cfg)
     step = _arm(engine.module, how, Path(marks)) if rank == FAIL_RANK else [0]
@@ -72,6 +82,7 @@ def train_and_fail(
     try:
         for i, micro in enumerate(global_batches(STEPS, 1)):
             step[0] = i
+            dist.barrier(group=line_up)
             x, y = micro[0]
             loss = engine(shard_batch(x, rank, world_size), shard_batch(y, rank, world_size))
             engine.backward(loss)
