@@ -167,6 +167,23 @@ def elapsed_on_screen(app: MonitorApp) -> str:
 
 
 @sync
+async def test_refresh_between_push_and_mount_of_the_detail_screen(tmp_path: Path) -> None:
+    """The app's refresh timer can fire after a detail screen is pushed and before it is
+    composed (under load: NoMatches '#detail-title' in a rank-failure test). Such a refresh
+    is a no-op for the screen, which draws itself once mounted."""
+    app = live_app(tmp_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await feed_cpu_run(app, pilot)
+        screen = RankDetailScreen(1)
+        app.push_screen(screen)
+        assert app.screen is screen and not screen.is_mounted
+        app.refresh_view()  # what the timer does at that moment
+        screen.call_after_refresh(lambda: screen.show(app.snapshot, app.model))
+        text = await text_once(app, pilot, "rank 1  alive")
+        assert "513 MiB" in text  # rank 1's host_rss
+
+
+@sync
 async def test_elapsed_never_goes_back_when_the_ranks_stop(tmp_path: Path) -> None:
     """Live, the clock runs until the last exit arrives; it used to fall back to the last
     record's time (0:26 -> 0:23 at the end of the demo)."""

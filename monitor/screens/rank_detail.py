@@ -88,6 +88,10 @@ class RankDetailScreen(Screen[None]):
 
     def show(self, snapshot: Snapshot, model: MonitorModel) -> None:
         """Redraw from the app's latest snapshot and the model's per-rank history."""
+        if not self.is_mounted:
+            # Pushed but not composed yet: the app's refresh timer can fire in between (seen
+            # under load as NoMatches '#detail-title'). The push draws it once it is mounted.
+            return
         row = snapshot.rows.get(self.rank)
         title = self.query_one("#detail-title", Static)
         if row is None:
