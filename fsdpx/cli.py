@@ -4,6 +4,7 @@
     fsdpx config explain FILE   translate a DeepSpeed config; table of mapped/ignored/refused keys
     fsdpx estimate --params 1.3B --world-size 64   per-rank memory per ZeRO stage / offload
     fsdpx demo                  train the demo GPT on 2 CPU ranks and watch it live
+    fsdpx launch [--hostfile F] SCRIPT ARGS   DeepSpeed's launcher arguments, torchrun agents
 
 Exit codes: 0 success, 2 bad input (unreadable file, invalid config, bad arguments).
 
@@ -33,7 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(commands)
     _add_estimate(commands)
     _add_demo(commands)
+    _add_launch(commands)
     return parser
+
+
+def _add_launch(commands: argparse._SubParsersAction) -> None:
+    # Parsed by fsdpx.launch.cli (the script's own arguments follow it unparsed).
+    commands.add_parser(
+        "launch",
+        add_help=False,
+        help="start a job on one or many hosts with DeepSpeed's launcher arguments "
+        "(fsdpx launch --help)",
+    )
 
 
 def _add_demo(commands: argparse._SubParsersAction) -> None:
@@ -72,6 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         $ fsdpx config show train.json
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        from fsdpx.launch.cli import main as launch_main
+        from fsdpx.launch.cli import parse as launch_parse
+
+        return launch_main(launch_parse(argv[1:]))
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
