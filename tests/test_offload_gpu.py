@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from tests.cuda_host import page_locked
+
 pytestmark = pytest.mark.gpu
 
 
@@ -161,22 +163,6 @@ def test_pinned_offload_buffers_take_exactly_their_size(tmp_path: Path) -> None:
         grown = _rss() - before
         assert store.host_bytes <= 96 << 20
         assert grown <= store.host_bytes + (8 << 20), (grown, store.host_bytes)
-        assert _page_locked(store._sets[0].regions[0])
+        assert page_locked(store._sets[0].regions[0])
     finally:
         store.close()
-
-
-def _page_locked(t: torch.Tensor) -> bool:
-    """Whether `t`'s memory is registered with CUDA (page_lock_). (torch's is_pinned() knows
-    only its own pinned allocator's blocks.)
-
-    Asked by unregistering and registering it again, not by registering it a second time:
-    a failed cudaHostRegister (cudaErrorHostMemoryAlreadyRegistered) stays the runtime's
-    last error, and torch's next launch check reports it in whichever test runs next
-    (seen on an H200: `test_ops_adam`'s first `.cuda()` failed with "already mapped")."""
-    cudart = torch.cuda.cudart()
-    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    if int(cudart.cudaHostUnregister(ptr)) != 0:
-        return False
-    assert int(cudart.cudaHostRegister(ptr, nbytes, 0)) == 0
-    return True
