@@ -404,6 +404,22 @@ def one_rank_fails_body(rank: int, world_size: int, root: str) -> dict[str, Any]
     return out
 
 
+def unshared_dir_body(rank: int, world_size: int, base: str) -> dict[str, Any]:
+    """Each rank saves to its own directory (a node-local disk mounted at one path on
+    every machine, simulated): every rank gets the same clear error, nothing is written."""
+    engine = fsdpx.shard(odd_net(), fsdpx.Config.from_dict({"zero": {"stage": 3}}))
+    _odd_train(engine, 1)
+    mine = Path(base) / f"node{rank}"
+    out: dict[str, Any] = {}
+    try:
+        engine.save_checkpoint(mine, tag="step1")
+    except Exception as exc:
+        out["save"] = (type(exc).__name__, str(exc))
+    dist.barrier()
+    out["left"] = sorted(str(p.relative_to(base)) for p in Path(base).rglob("*"))
+    return out
+
+
 # --- dp x tp --------------------------------------------------------------------------------
 
 

@@ -101,6 +101,21 @@ def test_one_rank_failing_makes_every_rank_raise(tmp_path: Path) -> None:
     assert re.search(r"injected on rank 1.*\(rank 1 of 2\)$", message), message
 
 
+def test_a_directory_not_shared_by_every_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(ckpt_bodies.unshared_dir_body, 2, (str(tmp_path),))
+    for rank, result in enumerate(results):  # each rank names the directory it was given
+        kind, message = result["save"]
+        assert kind == "CheckpointError"
+        mine = str(tmp_path / f"node{rank}")
+        assert message.startswith(
+            f"the checkpoint directory {mine!r} is not shared by every rank: rank(s) 1 (on "
+        ), message
+        assert "no rank wrote anything and nothing was committed" in message
+        assert "the same path on every rank" in message
+    # Rank 0's root exists (it made it for the marker) and is empty again; rank 1 wrote nothing.
+    assert results[0]["left"] == ["node0"]
+
+
 # --- single-process: errors and retention ------------------------------------------------
 
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from checkpoint_tools.format import CheckpointError, RankWriter, write_manifest
 from checkpoint_tools.format.root import check_tag, read_latest, write_latest
-from fsdpx.checkpoint import commit
+from fsdpx.checkpoint import commit, shared_dir
 from fsdpx.checkpoint.async_save import BackgroundWriter
 from fsdpx.checkpoint.external import (
     ExternalState,
@@ -157,6 +157,10 @@ def _plan(
     return _Plan(Path(directory), tag, pieces, state, rng_state(), partial)
 
 
+def _plan_root(plan: _Plan | BaseException) -> Path:
+    return plan.root if isinstance(plan, _Plan) else Path("?")
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -186,26 +190,46 @@ def _write_and_commit(
     that kept it from making one (so peers vote instead of waiting). Rank 0 then calls
     `on_commit(path, bytes on disk)` ([Note: checkpoint events])."""
     rank, size = commit.world(group)
-    nonce = commit.broadcast_obj(commit.new_nonce() if rank == 0 else None, group)
     error: BaseException | None = plan if isinstance(plan, BaseException) else None
+    nonce = commit.new_nonce() if rank == 0 else None
+    if nonce is not None and size > 1 and isinstance(plan, _Plan):
+        try:  # before the nonce goes out ([Note: shared checkpoint directory])
+            shared_dir.write_marker(plan.root, nonce)
+        except OSError as exc:
+            error = exc
+    nonce = commit.broadcast_obj(nonce, group)
+    shared = True
+    if rank != 0 and isinstance(plan, _Plan):
+        shared = shared_dir.sees_marker(plan.root, nonce)
     info: dict[str, Any] | None = None
     temp = final = None
     if isinstance(plan, _Plan):
         temp = commit.temp_dir(plan.root, plan.tag, nonce)
         final = plan.root / plan.tag
-        try:
-            info = _write_rank_file(plan, temp, rank, options)
-        except Exception as exc:
-            error = exc
+        if shared and error is None:
+            try:
+                info = _write_rank_file(plan, temp, rank, options)
+            except Exception as exc:
+                error = exc
     rng = plan.rng if isinstance(plan, _Plan) else {}
     # Partial (pipeline) saves: rank 0 needs every rank's optimizer description.
     optim = plan.state["optimizer"] if isinstance(plan, _Plan) and plan.partial else None
-    vote = {"ok": error is None, "error": None if error is None else _describe(error)}
+    vote = {
+        "ok": error is None,
+        "error": None if error is None else _describe(error),
+        "shared": shared,
+        "host": shared_dir.where(),
+    }
     reports = commit.all_gather_obj({**vote, "info": info, "rng": rng, "optim": optim}, group)
+    if rank == 0 and size > 1 and isinstance(plan, _Plan):
+        shared_dir.remove_marker(plan.root, nonce)
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
-    if failed:
+    unshared = None if failed else shared_dir.unshared_message(_plan_root(plan), reports)
+    if failed or unshared is not None:
         if rank == 0 and temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
+        if unshared is not None:
+            raise CheckpointError(unshared)
         if error is not None:
             raise error
         r, what = failed[0]
