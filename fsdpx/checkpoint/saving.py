@@ -194,18 +194,18 @@ def _write_and_commit(
     nonce = commit.new_nonce() if rank == 0 else None
     if nonce is not None and size > 1 and isinstance(plan, _Plan):
         try:  # before the nonce goes out ([Note: shared checkpoint directory])
-            shared_dir.write_marker(plan.root, nonce)
+            shared_dir.announce(commit.temp_dir(plan.root, plan.tag, nonce))
         except OSError as exc:
             error = exc
     nonce = commit.broadcast_obj(nonce, group)
     shared = True
-    if rank != 0 and isinstance(plan, _Plan):
-        shared = shared_dir.sees_marker(plan.root, nonce)
     info: dict[str, Any] | None = None
     temp = final = None
     if isinstance(plan, _Plan):
         temp = commit.temp_dir(plan.root, plan.tag, nonce)
         final = plan.root / plan.tag
+        if rank != 0:
+            shared = shared_dir.sees(temp)
         if shared and error is None:
             try:
                 info = _write_rank_file(plan, temp, rank, options)
@@ -221,8 +221,6 @@ def _write_and_commit(
         "host": shared_dir.where(),
     }
     reports = commit.all_gather_obj({**vote, "info": info, "rng": rng, "optim": optim}, group)
-    if rank == 0 and size > 1 and isinstance(plan, _Plan):
-        shared_dir.remove_marker(plan.root, nonce)
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
     unshared = None if failed else shared_dir.unshared_message(_plan_root(plan), reports)
     if failed or unshared is not None:
