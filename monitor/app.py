@@ -30,6 +30,7 @@ from monitor.receiver import Batch, RelayClient
 from monitor.replay import ReplayPlayer, ReplayStep, load_log
 from monitor.runs import RunBook
 from monitor.screens.rank_detail import RankDetailScreen
+from monitor.screens.stragglers import StragglersScreen
 from monitor.table_view import fmt_duration
 from monitor.widgets.curves import Curves
 from monitor.widgets.events import EventsLog
@@ -68,6 +69,7 @@ class MonitorApp(App[None]):
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("slash", "filter", "filter"),
         Binding("o", "outliers", "outliers"),
+        Binding("w", "stragglers", "stragglers"),
         Binding("p", "run(-1)", "prev run"),
         Binding("n", "run(1)", "next run"),
         Binding("escape", "clear_filter", "clear", show=False),
@@ -205,13 +207,17 @@ class MonitorApp(App[None]):
     ) -> None:
         if self.shown_run != shown:  # a new run arrived and is followed: show it whole
             self._show_run_events()
-        elif events := by_run.get(shown):
-            self.events_log.add(events, self.model.first_time)
+        else:
+            if events := by_run.get(shown):
+                self.events_log.add(events, self.model.first_time)
+            if made := self.model.take_made_events():  # chronic stragglers
+                self.events_log.add(made, self.model.first_time)
         if len(self.runs) != known and self.screen_stack:  # (none left while shutting down)
             self.refresh_bindings()  # the run keys appear with a second run
 
     def _show_run_events(self) -> None:
         model = self.model
+        model.take_made_events()  # already among model.events
         self.events_log.reset(model.events, model.first_time)
 
     def on_connection_changed(self, message: ConnectionChanged) -> None:
@@ -276,7 +282,7 @@ class MonitorApp(App[None]):
         self.summary_bar.show(snap.summary, self._source_text())
         self.curves.show(snap.loss_curve, snap.throughput_curve)
         self.table.show(snap)
-        if isinstance(self.screen, RankDetailScreen):
+        if isinstance(self.screen, RankDetailScreen | StragglersScreen):
             self.screen.show(snap, self.model)
 
     def _source_text(self) -> str:
@@ -302,9 +308,12 @@ class MonitorApp(App[None]):
     # --- actions ------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        covered = isinstance(self.screen, RankDetailScreen | StragglersScreen)
         if action in ("filter", "outliers", "clear_filter"):
             # They act on the main table: not offered (nor run) while a screen covers it.
-            return not isinstance(self.screen, RankDetailScreen)
+            return not covered
+        if action == "stragglers":  # ("s" typed into the filter box is text)
+            return not covered and not isinstance(self.focused, Input)
         if action in ("pause", "seek", "speed"):
             # Replay keys exist only in a replay, and never steal keys from the filter box.
             return self.player is not None and not isinstance(self.focused, Input)
@@ -377,6 +386,12 @@ class MonitorApp(App[None]):
         box = self.filter_box
         box.display = bool(box.value)
         self.table.focus()
+
+    def action_stragglers(self) -> None:
+        screen = StragglersScreen()
+        self.push_screen(screen)
+        # Drawn once mounted (not from a timer that may fire before the screen exists).
+        screen.call_after_refresh(lambda: screen.show(self.snapshot, self.model))
 
     def on_rank_table_rank_selected(self, message: RankTable.RankSelected) -> None:
         screen = RankDetailScreen(message.rank)

@@ -135,6 +135,7 @@ class RelayClient:
         # interval, not a timeout per read: asyncio.wait_for costs a task per call).
         loop = asyncio.get_running_loop()
         pending = Batch(self.address)
+        history = Batch(self.address, history=True)
         timer: asyncio.TimerHandle | None = None
 
         def flush() -> None:
@@ -149,13 +150,14 @@ class RelayClient:
                     self.frames += 1
                     kind = message.get("type")
                     if kind == "history":
-                        # The run so far: delivered at once, ahead of anything live.
+                        # The run so far: delivered at once (all its frames together),
+                        # ahead of anything live.
                         flush()
-                        records, events = (
-                            _list(message.get("records")),
-                            _list(message.get("events")),
-                        )
-                        self._deliver(Batch(self.address, records, events, history=True))
+                        history.records.extend(_list(message.get("records")))
+                        history.events.extend(_list(message.get("events")))
+                        if message.get("more") is not True:
+                            self._deliver(_in_step_order(history))
+                            history = Batch(self.address, history=True)
                     elif kind == "records":
                         pending.records.extend(_list(message.get("records")))
                     elif kind == "events":
@@ -178,6 +180,16 @@ class RelayClient:
     def _deliver(self, batch: Batch) -> None:
         batch.received_at = self.clock()
         self.on_batch(batch)
+
+
+def _in_step_order(history: Batch) -> Batch:
+    """The relay sends its history grouped by rank; the monitor gets it in step order
+    (stable, so each rank's records keep their order), as live records arrive: straggler
+    scores compare the ranks step by step (monitor/stragglers.py)."""
+    records = history.records
+    if all(type(r) is dict and type(r.get("step")) is int for r in records):
+        records.sort(key=lambda r: r["step"])
+    return history
 
 
 def _list(value: Any) -> list[Any]:

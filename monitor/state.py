@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from monitor.stragglers import ScoreSettings, StragglerRow
 
 
 class RankStatus(enum.Enum):
@@ -64,6 +66,10 @@ class MonitorSettings:
     """Records kept per rank for the detail screen."""
     max_events: int = 2000
     """Events kept for the events log."""
+    scores: ScoreSettings = field(default_factory=ScoreSettings)
+    """Straggler scoring (monitor/stragglers.py [Note: straggler scoring])."""
+    top_stragglers: int = 10
+    """Ranks listed in the stragglers view."""
 
     def __post_init__(self) -> None:
         if not 0 < self.stale_after_s <= self.dead_after_s:
@@ -135,3 +141,5 @@ class Snapshot:
     rows: dict[int, RankRow]
     loss_curve: list[tuple[int, float]]
     throughput_curve: list[tuple[int, float]]
+    stragglers: list[StragglerRow] = field(default_factory=list)
+    """The slowest ranks by phase, chronic first (monitor/stragglers.py)."""

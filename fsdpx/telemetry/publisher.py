@@ -55,9 +55,10 @@ from torch import nn
 from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
+from fsdpx.telemetry.phases import StepPhases, phase_clock
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
 from fsdpx.telemetry.sigterm import SigtermHook
-from fsdpx.telemetry.wire.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
+from fsdpx.telemetry.wire.protocol import EVENT_KINDS, PHASE_FIELDS, RECORD_FIELDS, ProtocolError
 from fsdpx.telemetry.wire.relay import Relay
 from fsdpx.telemetry.wire.runs import RunIdentity
 from fsdpx.telemetry.wire.transport import (
@@ -177,6 +178,10 @@ class Publisher:
         self._nvml: NvmlProbe | None = None  # made on the sender thread (NVML init is slow)
         self._peak = device_peak_tflops(device, param_dtype)
         self._meter = StepMeter()
+        # Phase times per step ([Note: phase spans] in fsdpx/telemetry/phases.py).
+        self._clock = phase_clock()
+        self._clock.enable(device)
+        self._clock.take()  # what ran before this publisher is no step of its
         if cfg.measure_flops and module is not None and not compiled:
             self._meter.arm(module)
         # The lr the next step will use: read before each step's optimizer.step().
@@ -262,6 +267,7 @@ class Publisher:
             loss_value,
             loss_host,
             ready,
+            self._clock.take(),
         )
         if len(self._records) == self._records.maxlen:
             self._dropped_queue += 1
@@ -324,6 +330,7 @@ class Publisher:
         if reason is None:
             reason = "terminated" if self._sigterm.received else "closed"
         self._meter.abort()
+        self._clock.disable()
         detail = {"reason": reason, "dropped": self.dropped}
         detail["events_dropped"] = self.stats.events_dropped
         self.event("exit", step=None, detail=detail)
@@ -486,6 +493,8 @@ class Publisher:
         out: list[dict[str, Any]] = []
         while self._records and len(out) < _BATCH:
             ready = self._records[0][12]
+            if ready is None:  # no loss copy to wait for: the phase events, if any
+                ready = self._records[0][13].last_event
             if ready is not None and not ready.query():
                 if not final:
                     break
@@ -501,6 +510,7 @@ class Publisher:
             :10
         ]
         loss_value, loss_host = item[10], item[11]
+        phases: StepPhases = item[13]
         loss = float(loss_host.item()) if loss_host is not None else loss_value
         flops = self._meter.flops_per_step
         tflops = flops / step_time / 1e12 if flops and step_time else None
@@ -534,4 +544,5 @@ class Publisher:
             run_id=self.run.run_id,
             job=self.run.job,
         )
+        record.update(zip(PHASE_FIELDS, phases.resolve(), strict=True))
         return record
