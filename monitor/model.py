@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from monitor.hangs import DumpBook
 from monitor.state import (
     FLAGS_BY_BITS,
     Flag,
@@ -110,6 +111,8 @@ class MonitorModel:
     first_time: float | None = None
     _steps: OrderedDict[int, _StepAggregate] = field(default_factory=OrderedDict)
     stragglers: StragglerScores = field(init=False)
+    dumps: DumpBook = field(default_factory=DumpBook)
+    """Hang dumps the ranks sent (monitor/hangs.py)."""
     made_events: list[dict[str, Any]] = field(default_factory=list)
     """Events this model made (a rank became a chronic straggler) since the app last took
     them (`take_made_events`); they are in `events` too."""
@@ -125,6 +128,7 @@ class MonitorModel:
         self._steps.clear()
         self.stragglers = StragglerScores(self.settings.scores)
         self.made_events.clear()
+        self.dumps = DumpBook()
         self.bad_records = 0
         self.total_steps = None
         self.world_size = None
@@ -195,6 +199,12 @@ class MonitorModel:
             event["run_id"] = rec.get("run_id")
             self.events.append(event)
             self.made_events.append(event)
+
+    def add_dumps(self, dumps: Iterable[Any]) -> None:
+        """Store ranks' hang dumps (malformed ones are counted as bad records)."""
+        for dump in dumps:
+            if not self.dumps.add(dump):
+                self.bad_records += 1
 
     def take_made_events(self) -> list[dict[str, Any]]:
         """The events made since the last call (the app writes them to its events log)."""
@@ -316,11 +326,14 @@ class MonitorModel:
         if median_st is not None and len(live_step_times) >= 2:
             straggler_cut = median_st * cfg.straggler_factor
         mem_cut = cfg.memory_fraction
+        # A running rank silent for hang_factor median steps may be stuck (needs a median).
+        hang_after = math.inf if median_st is None else median_st * cfg.hang_factor
 
         # Plain int bits in the loop (enum.Flag arithmetic costs microseconds per use).
         b_straggler, b_memory, b_nan = Flag.STRAGGLER.value, Flag.MEMORY.value, Flag.NAN_LOSS.value
         b_stale, b_error = Flag.STALE.value, Flag.ERROR.value
         b_first, b_peer = Flag.FAILED_FIRST.value, Flag.PEER_FAILED.value
+        b_hung = Flag.HUNG.value
         rows: dict[int, RankRow] = {}
         counts = dict.fromkeys(RankStatus, 0)
         loss_sum, loss_n = 0.0, 0
@@ -340,6 +353,8 @@ class MonitorModel:
                 bits |= b_peer
             if rank in named_first:
                 bits |= b_first
+            if state.status_override is None and age > hang_after:
+                bits |= b_hung
             st = rec.get("step_time_s")
             if _real(st) and st > straggler_cut:
                 bits |= b_straggler

@@ -42,6 +42,8 @@ class Batch:
     events: list[dict[str, Any]] = field(default_factory=list)
     received_at: float = 0.0
     history: bool = False
+    dumps: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks' hang dumps (answers to `request_dumps`)."""
 
 
 @dataclass
@@ -73,6 +75,19 @@ class RelayClient:
     max_retry_s: float = 5.0
     reconnect: bool = True
     frames: int = field(default=0, init=False)
+    _writer: asyncio.StreamWriter | None = field(default=None, init=False, repr=False)
+    _auth: Any = field(default=None, init=False, repr=False)
+
+    def request_dumps(self, request_id: str, run_id: str | None) -> bool:
+        """Ask every rank behind this relay for its hang dump (monitor/PROTOCOL.md "Hang
+        dumps"); the answers arrive in later batches' `dumps`. Call it on the event loop
+        the client runs on. Returns False when not connected."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            return False
+        request = {"type": "dump_request", "request_id": request_id, "run_id": run_id}
+        writer.write(encode_frame(request, auth=self._auth))
+        return True
 
     async def run(self) -> None:
         """Connect, receive, and reconnect after failures until cancelled (or once, when
@@ -123,9 +138,11 @@ class RelayClient:
             # The welcome (or error) is untagged; every frame after it is tagged.
             check_welcome(await self._next(reader, decoder), auth)
             decoder.auth = auth
+            self._writer, self._auth = writer, auth
             self.on_status(True, "connected")
             await self._receive(reader, decoder)
         finally:
+            self._writer = self._auth = None
             writer.close()
             with contextlib.suppress(OSError, ConnectionError):
                 await writer.wait_closed()
@@ -162,7 +179,9 @@ class RelayClient:
                         pending.records.extend(_list(message.get("records")))
                     elif kind == "events":
                         pending.events.extend(_list(message.get("events")))
-                if timer is None and (pending.records or pending.events):
+                    elif kind == "dump" and type(message.get("dump")) is dict:
+                        pending.dumps.append(message["dump"])
+                if timer is None and (pending.records or pending.events or pending.dumps):
                     timer = loop.call_later(self.flush_interval_s, flush)
                 data = await reader.read(_READ_BYTES)
                 if not data:
@@ -174,7 +193,7 @@ class RelayClient:
             flush()
 
     def _flush(self, batch: Batch) -> None:
-        if batch.records or batch.events:
+        if batch.records or batch.events or batch.dumps:
             self._deliver(batch)
 
     def _deliver(self, batch: Batch) -> None:

@@ -104,6 +104,9 @@ def test_engine_records_carry_phase_times(tmp_path: Path) -> None:
     assert not phase_clock().enabled  # the publisher's close turned the clock off
 
 
+@pytest.mark.slow  # ~35 s of 3 gloo ranks on 2 busy cores; default-tier twins: the
+# synthetic stream through the app (tests/test_monitor_stragglers.py) and the one-process
+# engine records above.
 def test_rank_with_a_slow_data_loader_is_flagged_live(tmp_path: Path) -> None:
     relay = Relay(str(tmp_path / "relay.sock"), log_path=tmp_path / "run.tlm")
     address = str(relay.bind())

@@ -54,9 +54,16 @@ class CommLog:
     """The collectives this process issued through fsdpx.comm, in order."""
 
     records: list[CommRecord] = field(default_factory=list)
+    completed: int = 0
+    """Calls that returned: a call with seq >= completed was entered and has not returned
+    (the hang dump's "inside which collective", fsdpx/telemetry/dump.py)."""
 
     def add(self, kind: Kind, bytes_sent: int, group_size: int) -> None:
         self.records.append(CommRecord(kind, len(self.records), bytes_sent, group_size))
+
+    def done(self) -> None:
+        """The call entered last returned (calls are blocking: they return in order)."""
+        self.completed = len(self.records)
 
     def mark(self) -> int:
         """The next sequence number (pass it to `bytes_since`)."""
@@ -94,6 +101,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     token = _CLOCK.begin(COMM_WAIT)
     dist.all_reduce(tensor, group=group)
     _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()
 
 
 def all_to_all_single(
@@ -105,6 +113,7 @@ def all_to_all_single(
     token = _CLOCK.begin(COMM_WAIT)
     dist.all_to_all_single(output, input, group=group)
     _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()
 
 
 def all_gather_single(
@@ -116,3 +125,4 @@ def all_gather_single(
     token = _CLOCK.begin(COMM_WAIT)
     dist.all_gather_single(output, input, group=group)
     _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()

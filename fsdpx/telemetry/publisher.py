@@ -54,6 +54,7 @@ from torch import nn
 
 from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
+from fsdpx.telemetry.dump import make_dump
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
 from fsdpx.telemetry.phases import StepPhases, phase_clock
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
@@ -101,6 +102,8 @@ class PublisherStats:
     connects: int = 0
     send_failures: int = 0
     sender_errors: int = 0
+    dumps_sent: int = 0
+    """Hang dumps sent in answer to a monitor's dump_request."""
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
@@ -174,6 +177,7 @@ class Publisher:
         self._dropped_send = 0  # written by the sender thread only
         self._losses: list[torch.Tensor] = []
         self._last_step_end: float | None = None
+        self._last_step: int | None = None  # for hang dumps (sender thread reads it)
         self._alloc = AllocatorProbe(device)
         self._nvml: NvmlProbe | None = None  # made on the sender thread (NVML init is slow)
         self._peak = device_peak_tflops(device, param_dtype)
@@ -249,6 +253,7 @@ class Publisher:
             self._last_step_end = None
         step_time = None if self._last_step_end is None else now - self._last_step_end
         self._last_step_end = now
+        self._last_step = result.global_step
         loss_value, loss_host, ready = self._loss_to_host()
         allocated, reserved, peak = self._alloc.at_step()
         lr = self._lr
@@ -413,6 +418,7 @@ class Publisher:
             stopping = self._stopping
             try:
                 self._pump(final=stopping)
+                self._answer_requests()
             except Exception as exc:  # the sender must survive anything
                 self.stats.sender_errors += 1
                 self._warn_once("sender", f"telemetry sender error (continuing): {exc!r}")
@@ -434,6 +440,45 @@ class Publisher:
                 return  # the oldest record's loss copy has not finished yet
             if events and not self._send("events", events):
                 return
+
+    def _answer_requests(self) -> None:
+        """Answer the relay's `dump_request`s with this rank's hang dump ([Note: dumping
+        from the sender thread] in fsdpx/telemetry/dump.py)."""
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            messages = conn.poll()
+        except (OSError, ProtocolError) as exc:  # ConnectionError is an OSError
+            self._drop_connection(f"reading from {self.address} failed ({exc})")
+            return
+        for message in messages:
+            if message.get("type") != "dump_request":
+                continue  # nothing else is sent to ranks (forward compatible)
+            run = message.get("run_id")
+            if run is not None and run != self.run.run_id:
+                continue  # a request for another run on this relay
+            dump = make_dump(
+                message.get("request_id"),
+                rank=self.rank,
+                host=self.host,
+                pid=self.pid,
+                run_id=self.run.run_id,
+                step=self._last_step,
+            )
+            try:
+                conn.send({"type": "dump", "dump": _plain(dump)}, timeout_s=self.cfg.send_timeout_s)
+            except (OSError, ProtocolError) as exc:
+                self._drop_connection(f"sending a hang dump to {self.address} failed ({exc})")
+                return
+            self.stats.dumps_sent += 1
+
+    def _drop_connection(self, why: str) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._retry_at = time.monotonic() + self._backoff
+        self._warn_once("read", f"telemetry: {why}")
 
     def _connect(self, final: bool) -> bool:
         if time.monotonic() < self._retry_at and not final:

@@ -59,10 +59,18 @@ class StragglersScreen(Screen[None]):
 
     BINDINGS = [Binding("escape,w", "app.pop_screen", "back")]
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Made here, not queried in `show`: the app's refresh timer may call `show`
+        # before this screen composed (querying then raised NoMatches).
+        self.top_box = Static(id="stragglers-top")
+        self.heat_box = Static(id="stragglers-heat")
+        self.events_box = Static(id="stragglers-events")
+
     def compose(self) -> ComposeResult:
-        yield Static(id="stragglers-top")
-        yield Static(id="stragglers-heat")
-        yield Static(id="stragglers-events")
+        yield self.top_box
+        yield self.heat_box
+        yield self.events_box
         yield Footer()
 
     def show(self, snap: Snapshot, model: MonitorModel) -> None:
@@ -79,7 +87,7 @@ class StragglersScreen(Screen[None]):
         for row in snap.stragglers:
             top.append("\n  ")
             top.append_text(straggler_line(row))
-        self.query_one("#stragglers-top", Static).update(top)
+        self.top_box.update(top)
 
         heat = Text()
         heat.append("phase time / median, per rank (rank order)", "bold")
@@ -90,7 +98,7 @@ class StragglersScreen(Screen[None]):
                 continue  # a phase no rank reports (h2d without offload, an old log)
             heat.append(f"\n{PHASE_LABELS[name]:<{_LABEL_WIDTH}}")
             heat.append_text(heat_strip(ratios, width))
-        self.query_one("#stragglers-heat", Static).update(heat)
+        self.heat_box.update(heat)
 
         events = Text()
         events.append("chronic-straggler events", "bold")
@@ -100,4 +108,4 @@ class StragglersScreen(Screen[None]):
             events.append_text(describe(event, model.first_time))
         if not made:
             events.append("\n  none", "dim")
-        self.query_one("#stragglers-events", Static).update(events)
+        self.events_box.update(events)

@@ -46,7 +46,18 @@ TAG_BYTES = 32
 NONCE_BYTES = 32
 AUTH_SCHEME = "hmac-sha256"
 ROLES = ("rank", "relay", "monitor")
-MESSAGE_TYPES = ("challenge", "hello", "welcome", "error", "records", "events", "history", "log")
+MESSAGE_TYPES = (
+    "challenge",
+    "hello",
+    "welcome",
+    "error",
+    "records",
+    "events",
+    "history",
+    "log",
+    "dump_request",
+    "dump",
+)
 
 PHASE_FIELDS: tuple[str, ...] = (
     "data_wait_s",
