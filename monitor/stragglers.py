@@ -169,9 +169,11 @@ class StragglerScores:
         st = record.get("step_time_s")
         if type(st) is float or type(st) is int:
             self._step_times[step].append(float(st))
-        if step > self._newest:
+        if step > self._newest:  # a new step: older ones may be complete or lagged now
             self._newest = step
-        self._close_ready()
+            self._close_ready()
+        elif len(row) >= (self.world_size or len(self.ranks)):
+            self._close_ready()
 
     def _close_ready(self) -> None:
         """Score the oldest open steps that are complete or lagged, in step order."""
