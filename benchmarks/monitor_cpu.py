@@ -63,7 +63,9 @@ class FakeRelay:
         self.path = path
         self.batch_s = batch_s
         self.frames = 0
-        self.run = SyntheticRun(n_ranks=n_ranks, seed=0, straggler=1, memory_hog=2)
+        self.run = SyntheticRun(
+            n_ranks=n_ranks, seed=0, straggler=1, memory_hog=2, phases=True
+        )  # phases: the phase-time fields are part of what the monitor scores
         self.rate_hz = rate_hz
         self.sent = 0
         self.stop = threading.Event()

@@ -34,6 +34,7 @@ from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner
 from fsdpx.precision import LossScaler, grads_have_overflow
 from fsdpx.telemetry.checkpoint_events import report_loaded, saved_reporter
+from fsdpx.telemetry.phases import BACKWARD, FORWARD, OPTIMIZER, next_batch, phase_clock
 from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
 
@@ -89,8 +90,10 @@ class Engine:
         # Under pipeline parallelism train_batch runs the schedule; gradient norms are
         # summed over the stages (the pp group).
         self._pipeline = pipeline
-        # Live telemetry (fsdpx/telemetry): None when telemetry.enabled is off.
+        # Live telemetry (fsdpx/telemetry): None when telemetry.enabled is off. The phase
+        # clock measures only while a publisher enabled it ([Note: phase spans]).
         self.telemetry = telemetry
+        self._clock = phase_clock()
         self._pp_group = mesh[Axis.PP.value].get_group() if dims.pp > 1 else None
         self._loss_parallel = dims.tp > 1 and cfg.tensor_parallel.loss_parallel
         self.global_steps = 0
@@ -117,7 +120,10 @@ class Engine:
 
     @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        token = self._clock.begin(FORWARD)
+        out = self.module(*args, **kwargs)
+        self._clock.end(FORWARD, token)
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the coming backward/step is the last micro-step of an optimizer step."""
@@ -157,8 +163,10 @@ class Engine:
         factor = self.loss_scaler.scale
         if divide_by_accumulation:
             factor /= self.config.gradient_accumulation_steps
+        token = self._clock.begin(BACKWARD)
         with loss_context(self._loss_parallel):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._clock.end(BACKWARD, token)
         if self.telemetry is not None:
             self.telemetry.observe_loss(loss)
         return loss
@@ -171,6 +179,7 @@ class Engine:
             self.micro_steps += 1
             return None
         self.micro_steps += 1
+        token = self._clock.begin(OPTIMIZER)
         scale = self.loss_scaler.scale
         skipped = False
         inv_scale = 1.0
@@ -189,6 +198,7 @@ class Engine:
         else:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self._clock.end(OPTIMIZER, token)
         self.global_steps += 1
         result = StepResult(self.global_steps, skipped, self._last_grad_norm, scale)
         if self.telemetry is not None:
@@ -207,7 +217,11 @@ class Engine:
         stage calls loss_fn) and every rank gets the loss.
         """
         if self._pipeline is not None:
-            batches = [next(data_iter) for _ in range(self.config.gradient_accumulation_steps)]
+            # Forward and backward interleave inside the schedule: only data wait and
+            # the optimizer step are timed apart.
+            batches = [
+                next_batch(data_iter) for _ in range(self.config.gradient_accumulation_steps)
+            ]
             loss = self._pipeline.step(batches, self.loss_scaler.scale, self.device)
             if self.telemetry is not None:
                 self.telemetry.observe_loss(loss)
@@ -217,7 +231,7 @@ class Engine:
         total = torch.zeros((), device=self.device)
         for _ in range(self.config.gradient_accumulation_steps):
             with loss_context(self._loss_parallel):
-                loss = self._loss_of(next(data_iter))
+                loss = self._timed_loss(next_batch(data_iter))
             self.backward(loss)
             self.step()
             total += plain_loss(loss).detach().float()
@@ -250,6 +264,12 @@ class Engine:
         finally:
             for m, mode in zip(modules, was_training, strict=True):
                 m.train(mode)
+
+    def _timed_loss(self, batch: Any) -> torch.Tensor:
+        token = self._clock.begin(FORWARD)
+        loss = self._loss_of(batch)
+        self._clock.end(FORWARD, token)
+        return loss
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ from monitor.model import MonitorModel, MonitorSettings, Snapshot
 from monitor.receiver import Batch, RelayClient
 from monitor.replay import ReplayPlayer, ReplayStep, load_log
 from monitor.runs import RunBook
+from monitor.screens.hang import HangScreen
 from monitor.screens.rank_detail import RankDetailScreen
+from monitor.screens.stragglers import StragglersScreen
 from monitor.table_view import fmt_duration
 from monitor.widgets.curves import Curves
 from monitor.widgets.events import EventsLog
@@ -68,6 +71,8 @@ class MonitorApp(App[None]):
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("slash", "filter", "filter"),
         Binding("o", "outliers", "outliers"),
+        Binding("w", "stragglers", "stragglers"),
+        Binding("h", "hang", "hang dump"),
         Binding("p", "run(-1)", "prev run"),
         Binding("n", "run(1)", "next run"),
         Binding("escape", "clear_filter", "clear", show=False),
@@ -117,6 +122,7 @@ class MonitorApp(App[None]):
         self._speed = speed
         self._paused = paused
         self._connections: dict[str, str] = dict.fromkeys(self.sources, "connecting")
+        self._clients: list[RelayClient] = []
         self._last_tick = time.monotonic()
         self.snapshot: Snapshot = self.model.snapshot(0.0)
         self.replay_error: str | None = None
@@ -152,6 +158,7 @@ class MonitorApp(App[None]):
                     secret=self.secret,
                     clock=self.clock,
                 )
+                self._clients.append(client)
                 self.run_worker(client.run(), group="relays", name=address)
         elif self._pending_replay is not None:
             self._start_replay(self._pending_replay)
@@ -198,6 +205,8 @@ class MonitorApp(App[None]):
         # Records first: a batch's events (an exit) come after its records.
         self.runs.add_records(message.records, now=message.received_at)
         by_run = self.runs.add_events(message.events, now=message.received_at)
+        if message.dumps:
+            self.runs.add_dumps(message.dumps)
         self._events_arrived(shown, known, by_run)
 
     def _events_arrived(
@@ -205,13 +214,17 @@ class MonitorApp(App[None]):
     ) -> None:
         if self.shown_run != shown:  # a new run arrived and is followed: show it whole
             self._show_run_events()
-        elif events := by_run.get(shown):
-            self.events_log.add(events, self.model.first_time)
+        else:
+            if events := by_run.get(shown):
+                self.events_log.add(events, self.model.first_time)
+            if made := self.model.take_made_events():  # chronic stragglers
+                self.events_log.add(made, self.model.first_time)
         if len(self.runs) != known and self.screen_stack:  # (none left while shutting down)
             self.refresh_bindings()  # the run keys appear with a second run
 
     def _show_run_events(self) -> None:
         model = self.model
+        model.take_made_events()  # already among model.events
         self.events_log.reset(model.events, model.first_time)
 
     def on_connection_changed(self, message: ConnectionChanged) -> None:
@@ -256,6 +269,8 @@ class MonitorApp(App[None]):
         shown, known = self.shown_run, len(self.runs)
         self.runs.add_records(step.records, now=None)
         by_run = self.runs.add_events(step.events)
+        if step.dumps:
+            self.runs.add_dumps(step.dumps)
         if step.reset:
             self._show_run_events()
         else:
@@ -276,7 +291,7 @@ class MonitorApp(App[None]):
         self.summary_bar.show(snap.summary, self._source_text())
         self.curves.show(snap.loss_curve, snap.throughput_curve)
         self.table.show(snap)
-        if isinstance(self.screen, RankDetailScreen):
+        if isinstance(self.screen, RankDetailScreen | StragglersScreen | HangScreen):
             self.screen.show(snap, self.model)
 
     def _source_text(self) -> str:
@@ -302,9 +317,14 @@ class MonitorApp(App[None]):
     # --- actions ------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        covered = isinstance(self.screen, RankDetailScreen | StragglersScreen | HangScreen)
         if action in ("filter", "outliers", "clear_filter"):
             # They act on the main table: not offered (nor run) while a screen covers it.
-            return not isinstance(self.screen, RankDetailScreen)
+            return not covered
+        if action in ("stragglers", "hang"):  # (a letter typed into the filter is text)
+            return not covered and not isinstance(self.focused, Input)
+        if action == "request_dumps":  # only live: a replay has what its log holds
+            return isinstance(self.screen, HangScreen) and bool(self._clients)
         if action in ("pause", "seek", "speed"):
             # Replay keys exist only in a replay, and never steal keys from the filter box.
             return self.player is not None and not isinstance(self.focused, Input)
@@ -377,6 +397,28 @@ class MonitorApp(App[None]):
         box = self.filter_box
         box.display = bool(box.value)
         self.table.focus()
+
+    def action_stragglers(self) -> None:
+        screen = StragglersScreen()
+        self.push_screen(screen)
+        # Drawn once mounted (not from a timer that may fire before the screen exists).
+        screen.call_after_refresh(lambda: screen.show(self.snapshot, self.model))
+
+    def action_hang(self) -> None:
+        """Open the hang screen and, live, ask every rank of the shown run for a dump."""
+        screen = HangScreen()
+        self.push_screen(screen)
+        if self._clients:
+            self.action_request_dumps()
+        screen.call_after_refresh(lambda: screen.show(self.snapshot, self.model))
+
+    def action_request_dumps(self) -> None:
+        """Send a dump request through every relay (monitor/PROTOCOL.md "Hang dumps")."""
+        request_id = uuid.uuid4().hex
+        self.model.dumps.start(request_id)
+        sent = [c.request_dumps(request_id, self.shown_run) for c in self._clients]
+        if not any(sent):
+            self.notify("not connected to a relay: no dump asked for", severity="warning")
 
     def on_rank_table_rank_selected(self, message: RankTable.RankSelected) -> None:
         screen = RankDetailScreen(message.rank)

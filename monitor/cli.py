@@ -5,6 +5,8 @@
     fsdpx-monitor export RUN.tlm --csv DIR   one CSV row per run-rank-step (+ events.csv)
                                              (--run RUN: one run of the log)
     fsdpx-monitor export RUN.tlm --tensorboard DIR   TensorBoard event files per rank
+    fsdpx-monitor export RUN.tlm --jsonl FILE        one JSON object per line
+    fsdpx-monitor export RUN.tlm --prometheus FILE   latest per-rank gauges (text format)
     fsdpx-monitor demo                       train the demo GPT on 2 CPU ranks, watch it
                                              (what `fsdpx demo` runs; monitor/demo.py)
 
@@ -89,6 +91,15 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     export.add_argument("log", type=Path, metavar="RUN.tlm")
     export.add_argument("--csv", type=Path, metavar="DIR", help="write records.csv, events.csv")
     export.add_argument("--tensorboard", type=Path, metavar="DIR", help="write event files")
+    export.add_argument(
+        "--jsonl", type=Path, metavar="FILE", help="write one JSON object per record/event/dump"
+    )
+    export.add_argument(
+        "--prometheus",
+        type=Path,
+        metavar="FILE",
+        help="write each rank's latest record as Prometheus gauges (text format)",
+    )
     export.add_argument(
         "--run",
         metavar="RUN",
@@ -206,10 +217,16 @@ def run_app(app: MonitorApp) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from monitor.export import MissingDependency, export_csv, export_tensorboard
+    from monitor.export_lines import export_jsonl, export_prometheus
 
     prog = "fsdpx-monitor export"
-    if args.csv is None and args.tensorboard is None:
-        return _error(prog, "nothing to export: give --csv DIR and/or --tensorboard DIR")
+    outputs = (args.csv, args.tensorboard, args.jsonl, args.prometheus)
+    if all(o is None for o in outputs):
+        return _error(
+            prog,
+            "nothing to export: give --csv DIR, --tensorboard DIR, --jsonl FILE and/or "
+            "--prometheus FILE",
+        )
     if (problem := _check_log(prog, args.log)) is not None:
         return _error(prog, problem)
     try:
@@ -219,6 +236,11 @@ def _export(args: argparse.Namespace) -> int:
         if args.tensorboard is not None:
             dirs = export_tensorboard(args.log, args.tensorboard, run=args.run)
             print(f"wrote TensorBoard event files for {len(dirs)} ranks under {args.tensorboard}")
+        if args.jsonl is not None:
+            lines = export_jsonl(args.log, args.jsonl, run=args.run)
+            print(f"wrote {args.jsonl} ({lines} lines)")
+        if args.prometheus is not None:
+            print(f"wrote {export_prometheus(args.log, args.prometheus, run=args.run)}")
     except (MissingDependency, ValueError) as exc:  # ValueError: an unknown --run
         return _error(prog, str(exc))
     except OSError as exc:

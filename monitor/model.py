@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from monitor.hangs import DumpBook
 from monitor.state import (
     FLAGS_BY_BITS,
     Flag,
@@ -33,6 +34,7 @@ from monitor.state import (
     Snapshot,
     Summary,
 )
+from monitor.stragglers import StragglerScores
 
 __all__ = [
     "Flag",
@@ -108,15 +110,25 @@ class MonitorModel:
     world_size: int | None = None
     first_time: float | None = None
     _steps: OrderedDict[int, _StepAggregate] = field(default_factory=OrderedDict)
+    stragglers: StragglerScores = field(init=False)
+    dumps: DumpBook = field(default_factory=DumpBook)
+    """Hang dumps the ranks sent (monitor/hangs.py)."""
+    made_events: list[dict[str, Any]] = field(default_factory=list)
+    """Events this model made (a rank became a chronic straggler) since the app last took
+    them (`take_made_events`); they are in `events` too."""
 
     def __post_init__(self) -> None:
         self.events = deque(maxlen=self.settings.max_events)
+        self.stragglers = StragglerScores(self.settings.scores)
 
     def clear(self) -> None:
         """Forget everything (the replay player rebuilds the state when seeking back)."""
         self.ranks.clear()
         self.events.clear()
         self._steps.clear()
+        self.stragglers = StragglerScores(self.settings.scores)
+        self.made_events.clear()
+        self.dumps = DumpBook()
         self.bad_records = 0
         self.total_steps = None
         self.world_size = None
@@ -129,6 +141,7 @@ class MonitorModel:
         steps = self._steps
         keep = self.settings.history_steps
         rank_history = self.settings.rank_history
+        scores = self.stragglers
         for rec in records:
             try:
                 rank = rec["rank"]
@@ -156,6 +169,9 @@ class MonitorModel:
             state.ended_at = None
             loss = rec.get("loss")
             state.history.append((step, rec.get("step_time_s"), loss, rec.get("mem_allocated")))
+            scores.add(rank, step, rec)
+            if scores.has_events:
+                self._made(scores.take_events(), rec, seen)
             agg = steps.get(step)
             if agg is None:
                 if len(steps) >= keep and step < next(iter(steps)):
@@ -176,6 +192,25 @@ class MonitorModel:
                 agg.tps_sum += tps
                 agg.tps_n += 1
 
+    def _made(self, events: list[dict[str, Any]], rec: dict[str, Any], seen: float) -> None:
+        """Stamp events this model made with the record's run and the arrival time."""
+        for event in events:
+            event["time"] = seen
+            event["run_id"] = rec.get("run_id")
+            self.events.append(event)
+            self.made_events.append(event)
+
+    def add_dumps(self, dumps: Iterable[Any]) -> None:
+        """Store ranks' hang dumps (malformed ones are counted as bad records)."""
+        for dump in dumps:
+            if not self.dumps.add(dump):
+                self.bad_records += 1
+
+    def take_made_events(self) -> list[dict[str, Any]]:
+        """The events made since the last call (the app writes them to its events log)."""
+        out, self.made_events = self.made_events, []
+        return out
+
     def add_events(self, events: Iterable[Any], now: float | None = None) -> None:
         """Store events received at monitor time `now`; `exit`, `exception` and
         `disconnected` change the rank's status. With `now=None` (replay) an event counts
@@ -195,6 +230,7 @@ class MonitorModel:
                 world = detail.get("world_size")
                 if type(world) is int and world > 0:
                     self.world_size = world
+                    self.stragglers.world_size = world
                 t = _number(event.get("time"))
                 if t is not None and (self.first_time is None or t < self.first_time):
                     self.first_time = t  # the run started before its first record
@@ -290,11 +326,14 @@ class MonitorModel:
         if median_st is not None and len(live_step_times) >= 2:
             straggler_cut = median_st * cfg.straggler_factor
         mem_cut = cfg.memory_fraction
+        # A running rank silent for hang_factor median steps may be stuck (needs a median).
+        hang_after = math.inf if median_st is None else median_st * cfg.hang_factor
 
         # Plain int bits in the loop (enum.Flag arithmetic costs microseconds per use).
         b_straggler, b_memory, b_nan = Flag.STRAGGLER.value, Flag.MEMORY.value, Flag.NAN_LOSS.value
         b_stale, b_error = Flag.STALE.value, Flag.ERROR.value
         b_first, b_peer = Flag.FAILED_FIRST.value, Flag.PEER_FAILED.value
+        b_hung = Flag.HUNG.value
         rows: dict[int, RankRow] = {}
         counts = dict.fromkeys(RankStatus, 0)
         loss_sum, loss_n = 0.0, 0
@@ -314,6 +353,8 @@ class MonitorModel:
                 bits |= b_peer
             if rank in named_first:
                 bits |= b_first
+            if state.status_override is None and age > hang_after:
+                bits |= b_hung
             st = rec.get("step_time_s")
             if _real(st) and st > straggler_cut:
                 bits |= b_straggler
@@ -388,4 +429,5 @@ class MonitorModel:
             last, prev = aggs[-1], aggs[-2]
             n = max(last.tps_n, prev.tps_n)
             tput_curve[-1] = (tput_curve[-1][0], last.tps_sum / last.tps_n * n)
-        return Snapshot(now, summary, rows, loss_curve, tput_curve)
+        top = self.stragglers.top(cfg.top_stragglers)
+        return Snapshot(now, summary, rows, loss_curve, tput_curve, top)

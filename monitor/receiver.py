@@ -42,6 +42,8 @@ class Batch:
     events: list[dict[str, Any]] = field(default_factory=list)
     received_at: float = 0.0
     history: bool = False
+    dumps: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks' hang dumps (answers to `request_dumps`)."""
 
 
 @dataclass
@@ -73,6 +75,19 @@ class RelayClient:
     max_retry_s: float = 5.0
     reconnect: bool = True
     frames: int = field(default=0, init=False)
+    _writer: asyncio.StreamWriter | None = field(default=None, init=False, repr=False)
+    _auth: Any = field(default=None, init=False, repr=False)
+
+    def request_dumps(self, request_id: str, run_id: str | None) -> bool:
+        """Ask every rank behind this relay for its hang dump (monitor/PROTOCOL.md "Hang
+        dumps"); the answers arrive in later batches' `dumps`. Call it on the event loop
+        the client runs on. Returns False when not connected."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            return False
+        request = {"type": "dump_request", "request_id": request_id, "run_id": run_id}
+        writer.write(encode_frame(request, auth=self._auth))
+        return True
 
     async def run(self) -> None:
         """Connect, receive, and reconnect after failures until cancelled (or once, when
@@ -123,9 +138,11 @@ class RelayClient:
             # The welcome (or error) is untagged; every frame after it is tagged.
             check_welcome(await self._next(reader, decoder), auth)
             decoder.auth = auth
+            self._writer, self._auth = writer, auth
             self.on_status(True, "connected")
             await self._receive(reader, decoder)
         finally:
+            self._writer = self._auth = None
             writer.close()
             with contextlib.suppress(OSError, ConnectionError):
                 await writer.wait_closed()
@@ -135,6 +152,7 @@ class RelayClient:
         # interval, not a timeout per read: asyncio.wait_for costs a task per call).
         loop = asyncio.get_running_loop()
         pending = Batch(self.address)
+        history = Batch(self.address, history=True)
         timer: asyncio.TimerHandle | None = None
 
         def flush() -> None:
@@ -149,18 +167,21 @@ class RelayClient:
                     self.frames += 1
                     kind = message.get("type")
                     if kind == "history":
-                        # The run so far: delivered at once, ahead of anything live.
+                        # The run so far: delivered at once (all its frames together),
+                        # ahead of anything live.
                         flush()
-                        records, events = (
-                            _list(message.get("records")),
-                            _list(message.get("events")),
-                        )
-                        self._deliver(Batch(self.address, records, events, history=True))
+                        history.records.extend(_list(message.get("records")))
+                        history.events.extend(_list(message.get("events")))
+                        if message.get("more") is not True:
+                            self._deliver(_in_step_order(history))
+                            history = Batch(self.address, history=True)
                     elif kind == "records":
                         pending.records.extend(_list(message.get("records")))
                     elif kind == "events":
                         pending.events.extend(_list(message.get("events")))
-                if timer is None and (pending.records or pending.events):
+                    elif kind == "dump" and type(message.get("dump")) is dict:
+                        pending.dumps.append(message["dump"])
+                if timer is None and (pending.records or pending.events or pending.dumps):
                     timer = loop.call_later(self.flush_interval_s, flush)
                 data = await reader.read(_READ_BYTES)
                 if not data:
@@ -172,12 +193,22 @@ class RelayClient:
             flush()
 
     def _flush(self, batch: Batch) -> None:
-        if batch.records or batch.events:
+        if batch.records or batch.events or batch.dumps:
             self._deliver(batch)
 
     def _deliver(self, batch: Batch) -> None:
         batch.received_at = self.clock()
         self.on_batch(batch)
+
+
+def _in_step_order(history: Batch) -> Batch:
+    """The relay sends its history grouped by rank; the monitor gets it in step order
+    (stable, so each rank's records keep their order), as live records arrive: straggler
+    scores compare the ranks step by step (monitor/stragglers.py)."""
+    records = history.records
+    if all(type(r) is dict and type(r.get("step")) is int for r in records):
+        records.sort(key=lambda r: r["step"])
+    return history
 
 
 def _list(value: Any) -> list[Any]:

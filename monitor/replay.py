@@ -20,6 +20,7 @@ from typing import Any
 
 from fsdpx.telemetry.wire.logfile import iter_log
 
+_EVENT, _RECORD, _DUMP = 0, 1, 2
 SPEEDS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
@@ -41,6 +42,8 @@ class ReplayStep:
     records: list[dict[str, Any]]
     events: list[dict[str, Any]]
     position: float
+    dumps: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks' hang dumps the log holds (feed them to the model too)."""
 
 
 @dataclass
@@ -48,7 +51,8 @@ class ReplayPlayer:
     """Plays a list of protocol messages on a virtual clock.
 
     Args:
-        messages: messages in log order ("records", "events", "history"; others ignored).
+        messages: messages in log order ("records", "events", "history", "dump"; others
+            ignored).
         speed: virtual seconds per wall second.
         paused: start paused.
 
@@ -63,7 +67,8 @@ class ReplayPlayer:
     speed: float = 1.0
     paused: bool = False
     times: list[float] = field(init=False, default_factory=list)
-    items: list[tuple[bool, dict[str, Any]]] = field(init=False, default_factory=list)
+    items: list[tuple[int, dict[str, Any]]] = field(init=False, default_factory=list)
+    """(kind, item) in time order; kind: 0 event, 1 record, 2 hang dump."""
     cursor: int = field(init=False, default=0)
     position: float = field(init=False, default=0.0)
 
@@ -71,13 +76,14 @@ class ReplayPlayer:
         if self.speed <= 0:
             raise ValueError(f"replay speed must be > 0; got {self.speed}")
         times: list[float] = []
-        items: list[tuple[bool, dict[str, Any]]] = []
+        items: list[tuple[int, dict[str, Any]]] = []
         last = 0.0
         for message in self.messages:
             kind = message.get("type")
             records = message.get("records") if kind in ("records", "history") else None
             events = message.get("events") if kind in ("events", "history") else None
-            for is_record, batch in ((True, records), (False, events)):
+            dumps = [message.get("dump")] if kind == "dump" else None
+            for code, batch in ((_RECORD, records), (_EVENT, events), (_DUMP, dumps)):
                 if not isinstance(batch, list):
                     continue
                 for item in batch:
@@ -87,7 +93,7 @@ class ReplayPlayer:
                     if isinstance(t, int | float) and not isinstance(t, bool):
                         last = float(t)
                     times.append(last)
-                    items.append((is_record, item))
+                    items.append((code, item))
         # Stable sort by time: ranks' batches interleave in the log, the clock must not.
         order = sorted(range(len(times)), key=times.__getitem__)
         self.times = [times[i] for i in order]
@@ -112,13 +118,12 @@ class ReplayPlayer:
     def finished(self) -> bool:
         return self.cursor >= len(self.items)
 
-    def _take(self, stop: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        records: list[dict[str, Any]] = []
-        events: list[dict[str, Any]] = []
-        for is_record, item in self.items[self.cursor : stop]:
-            (records if is_record else events).append(item)
+    def _take(self, stop: int) -> tuple[list[dict[str, Any]], ...]:
+        out: tuple[list[dict[str, Any]], ...] = ([], [], [])
+        for code, item in self.items[self.cursor : stop]:
+            out[code].append(item)
         self.cursor = stop
-        return records, events
+        return out[_RECORD], out[_EVENT], out[_DUMP]
 
     def advance(self, wall_s: float) -> ReplayStep:
         """Move the clock by `wall_s` x speed (not when paused or at the end) and return
@@ -126,8 +131,8 @@ class ReplayPlayer:
         if not self.paused:
             self.position = min(self.end, self.position + wall_s * self.speed)
         stop = bisect.bisect_right(self.times, self.position)
-        records, events = self._take(max(stop, self.cursor))
-        return ReplayStep(False, records, events, self.position)
+        records, events, dumps = self._take(max(stop, self.cursor))
+        return ReplayStep(False, records, events, self.position, dumps)
 
     def seek(self, position: float) -> ReplayStep:
         """Jump to virtual time `position` (clamped to the log); going back resets."""
@@ -137,8 +142,8 @@ class ReplayPlayer:
         if reset:
             self.cursor = 0
         self.position = position
-        records, events = self._take(stop)
-        return ReplayStep(reset, records, events, position)
+        records, events, dumps = self._take(stop)
+        return ReplayStep(reset, records, events, position, dumps)
 
     def seek_relative(self, delta_s: float) -> ReplayStep:
         """Seek by `delta_s` virtual seconds from the current position."""

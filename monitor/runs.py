@@ -113,6 +113,11 @@ class RunBook:
             if info.first_step is None or info.job is None:
                 self._note(info, group)
 
+    def add_dumps(self, dumps: Iterable[Any]) -> None:
+        """Route hang dumps to their runs' models (see MonitorModel.add_dumps)."""
+        for run_id, group in self._group(dumps).items():
+            self._run(run_id).add_dumps(group)
+
     def add_events(
         self, events: Iterable[Any], now: float | None = None
     ) -> dict[str | None, list[Any]]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from monitor.stragglers import ScoreSettings, StragglerRow
 
 
 class RankStatus(enum.Enum):
@@ -40,10 +42,13 @@ class Flag(enum.Flag):
     that died or failed first)."""
     PEER_FAILED = enum.auto()
     """The rank stopped because another rank failed (it raised RankFailureError)."""
+    HUNG = enum.auto()
+    """Running, but no step for `hang_factor` x the live ranks' median step time: it may
+    be stuck (in a collective, a loader, ...); the hang screen (`h`) asks for stacks."""
 
 
-FLAGS_BY_BITS = [Flag(bits) for bits in range(128)]
-"""Every combination of the seven flags, indexed by its bits (a list lookup in the hot loop)."""
+FLAGS_BY_BITS = [Flag(bits) for bits in range(256)]
+"""Every combination of the eight flags, indexed by its bits (a list lookup in the hot loop)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,12 @@ class MonitorSettings:
     """Records kept per rank for the detail screen."""
     max_events: int = 2000
     """Events kept for the events log."""
+    scores: ScoreSettings = field(default_factory=ScoreSettings)
+    """Straggler scoring (monitor/stragglers.py [Note: straggler scoring])."""
+    top_stragglers: int = 10
+    """Ranks listed in the stragglers view."""
+    hang_factor: float = 10.0
+    """A running rank with no step for this many median step times is flagged hung."""
 
     def __post_init__(self) -> None:
         if not 0 < self.stale_after_s <= self.dead_after_s:
@@ -76,6 +87,11 @@ class MonitorSettings:
             raise ValueError(
                 f"expected straggler_factor > 1, found {self.straggler_factor}; "
                 "1.5 flags ranks 50% slower than the median"
+            )
+        if self.hang_factor <= 1.0:
+            raise ValueError(
+                f"expected hang_factor > 1, found {self.hang_factor}; 10 flags a rank with "
+                "no step for 10 median step times"
             )
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"expected 0 < memory_fraction <= 1, found {self.memory_fraction}")
@@ -135,3 +151,5 @@ class Snapshot:
     rows: dict[int, RankRow]
     loss_curve: list[tuple[int, float]]
     throughput_curve: list[tuple[int, float]]
+    stragglers: list[StragglerRow] = field(default_factory=list)
+    """The slowest ranks by phase, chronic first (monitor/stragglers.py)."""

@@ -13,6 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GIB = 1024**3
+PHASE_SHARES = {"data_wait_s": 0.02, "forward_s": 0.3, "backward_s": 0.6, "optimizer_s": 0.08}
+"""Each phase's share of a nominal step (the rest is exposed comm wait)."""
+
+
+@dataclass(frozen=True)
+class SlowPhase:
+    """An injected straggler: `rank` spends `extra_s` more in `phase` (a record field,
+    e.g. "data_wait_s") at `steps` (None: every step). The other ranks wait for it in a
+    collective (their comm_wait_s grows), as in synchronous training."""
+
+    rank: int
+    phase: str
+    extra_s: float
+    steps: range | None = None
 
 
 @dataclass
@@ -48,6 +62,10 @@ class SyntheticRun:
     nan_from_step: int = 0
     stop_rank: int | None = None
     stop_after_step: int = 0
+    phases: bool = False
+    """Add the phase-time fields (data_wait_s, forward_s, ...) to every record."""
+    slow_phases: tuple[SlowPhase, ...] = ()
+    """Injected phase stragglers (implies `phases`)."""
     tokens_per_step: int = 8192
     capacity: int = 80 * GIB
     _jitter: list[float] = field(init=False, repr=False)
@@ -65,6 +83,11 @@ class SyntheticRun:
         st = self.step_time_s * self._jitter[rank]
         if rank == self.straggler:
             st *= 2.5
+        if self.slow_phases:  # synchronous: every rank's step takes the slowest's extra
+            st += max(
+                (s.extra_s for s in self.slow_phases if s.steps is None or step in s.steps),
+                default=0.0,
+            )
         loss = 4.0 * math.exp(-step / 200.0) + 1.5 + 0.02 * math.sin(step + rank)
         if rank == self.nan_rank and step >= self.nan_from_step:
             loss = float("nan")
@@ -101,7 +124,22 @@ class SyntheticRun:
             "mfu": 0.4 * self.step_time_s / st,
             "comm_bytes": 2 * GIB,
             "dropped": 0,
+            **(self._phases(rank, step) if self.phases or self.slow_phases else {}),
         }
+
+    def _phases(self, rank: int, step: int) -> dict[str, float | None]:
+        """Phase times of one record: nominal shares with jitter; a slow rank's extra time
+        in its phase; everyone else waits for the slowest in comm_wait_s."""
+        base = self.step_time_s * self._jitter[rank]
+        times = {name: share * base for name, share in PHASE_SHARES.items()}
+        active = [s for s in self.slow_phases if s.steps is None or step in s.steps]
+        worst = max((s.extra_s for s in active), default=0.0)
+        own = sum(s.extra_s for s in active if s.rank == rank)
+        for s in active:
+            if s.rank == rank:
+                times[s.phase] += s.extra_s
+        times["comm_wait_s"] = 0.1 * base + max(0.0, worst - own)
+        return {**times, "h2d_s": None}  # a run without offload
 
     def publishing(self, rank: int, step: int) -> bool:
         """Whether `rank` still publishes at `step` (False after the injected stop)."""

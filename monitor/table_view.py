@@ -93,6 +93,7 @@ FLAG_LETTERS: tuple[tuple[Flag, str], ...] = (
     (Flag.ERROR, "E"),
     (Flag.FAILED_FIRST, "F"),
     (Flag.PEER_FAILED, "P"),
+    (Flag.HUNG, "H"),
 )
 """Letters of the flags column; the summary bar shows the legend."""
 
@@ -278,6 +279,7 @@ _FLAG_WORDS = {
     "error": Flag.ERROR,
     "first": Flag.FAILED_FIRST,
     "peer": Flag.PEER_FAILED,
+    "hung": Flag.HUNG,
 }
 
 

@@ -165,3 +165,124 @@ def save_and_load_with_telemetry(
         engine.telemetry.close()
         dist.barrier()
     return out
+
+
+SLOW_RANK = 1
+SLOW_LOADER_STEPS = 10
+
+
+class _SlowLoader:
+    """A data loader whose batches take `delay_s` to arrive (the injected straggler: a
+    slow loader is the cause under test, not a way to wait for something)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], delay_s: float) -> None:
+        self.batches, self.delay_s = batches, delay_s
+
+    def __iter__(self) -> Any:
+        import time
+
+        for batch in self.batches:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def slow_data_loader(rank: int, world_size: int, relay: str, steps: int) -> int:
+    """Train the tiny GPT for `steps` steps with telemetry on, reading batches through
+    `fsdpx.telemetry.timed_loader`; rank SLOW_RANK's loader takes 0.1 s per batch.
+    Returns the records sent."""
+    from fsdpx.demo.gpt import GPT
+
+    cfg = fsdpx.Config.from_dict(
+        {
+            "optimizer": {"type": "adamw", "lr": LR},
+            "telemetry": {
+                "enabled": True,
+                "relay": relay,
+                "start_relay": False,
+                "poll_interval_s": 0.05,
+                "run_id": "slow-loader",
+                "measure_flops": False,
+            },
+        }
+    )
+    model = make_model()
+    assert isinstance(model, GPT)
+    vocab, block = model.config.vocab_size, model.config.block_size
+    g = torch.Generator().manual_seed(rank)
+    batches = [
+        (
+            torch.randint(0, vocab, (2, block), generator=g),
+            torch.randint(0, vocab, (2, block), generator=g),
+        )
+        for _ in range(steps)
+    ]
+    engine = fsdpx.shard(model, cfg)
+    loader = _SlowLoader(batches, 0.1 if rank == SLOW_RANK else 0.0)
+    for x, y in fsdpx.telemetry.timed_loader(loader):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    pub = engine.telemetry
+    assert pub is not None
+    pub.close()
+    dist.barrier()
+    return pub.stats.records_sent
+
+
+def _elsewhere(release: Any) -> None:
+    """Where rank 1 is while rank 0 waits for it in a collective: until the test, having
+    seen both ranks' dumps, creates the `release` file (a state, polled)."""
+    import time
+
+    while not release.exists():
+        time.sleep(0.02)
+
+
+def skip_a_collective(rank: int, world_size: int, relay: str, release: str) -> float:
+    """Two steps with telemetry on, then rank 0 enters an fsdpx.comm all-reduce while rank
+    1 stays in `_elsewhere` until the test releases it; then rank 1 arrives, the
+    all-reduce completes and a third step runs (the dump must not harm the run).
+    Returns the all-reduced value (world_size on every rank)."""
+    from pathlib import Path
+
+    import fsdpx.comm
+
+    cfg = fsdpx.Config.from_dict(
+        {
+            "optimizer": {"type": "adamw", "lr": LR},
+            "telemetry": {
+                "enabled": True,
+                "relay": relay,
+                "start_relay": False,
+                "poll_interval_s": 0.05,
+                "run_id": "hang",
+                "measure_flops": False,
+            },
+        }
+    )
+    model = make_model()
+    vocab, block = model.config.vocab_size, model.config.block_size
+    engine = fsdpx.shard(model, cfg)
+    g = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        x = torch.randint(0, vocab, (2, block), generator=g)
+        engine.backward(engine(x, x))
+        engine.step()
+
+    step()
+    step()
+    t = torch.ones(4)
+    if rank == 1:
+        _elsewhere(Path(release))
+    fsdpx.comm.all_reduce(t)
+    step()
+    pub = engine.telemetry
+    assert pub is not None
+    pub.close()
+    dist.barrier()
+    return float(t[0])

@@ -72,7 +72,8 @@ def test_cli_export_csv_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "records.csv" in capsys.readouterr().out
     assert (tmp_path / "csv" / "events.csv").exists()
     assert monitor_main(["export", str(LOG)]) == 2
-    assert "nothing to export: give --csv DIR and/or --tensorboard DIR" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "nothing to export: give --csv DIR, --tensorboard DIR, --jsonl FILE" in err
     assert monitor_main(["export", str(tmp_path / "nope.tlm"), "--csv", str(tmp_path)]) == 2
     assert "nope.tlm: No such file or directory" in capsys.readouterr().err
 

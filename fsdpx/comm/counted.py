@@ -18,6 +18,10 @@ a one-rank group sends nothing.
 group: the collectives that make up one operation (a compressed all-reduce issues four) are
 recorded where they are issued, so a reader can sum any window of sequence numbers. A
 caller that wants per-step figures takes `mark()` before and `bytes_since(mark)` after.
+
+Each call is also timed as exposed communication (`comm_wait_s` of the telemetry record,
+fsdpx/telemetry/phases.py [Note: phase spans]): these calls block until the collective is
+done, so the time inside them is time the training thread waited for it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
 
 Kind = Literal["all_reduce", "all_to_all_single", "all_gather_single"]
 
@@ -48,9 +54,16 @@ class CommLog:
     """The collectives this process issued through fsdpx.comm, in order."""
 
     records: list[CommRecord] = field(default_factory=list)
+    completed: int = 0
+    """Calls that returned: a call with seq >= completed was entered and has not returned
+    (the hang dump's "inside which collective", fsdpx/telemetry/dump.py)."""
 
     def add(self, kind: Kind, bytes_sent: int, group_size: int) -> None:
         self.records.append(CommRecord(kind, len(self.records), bytes_sent, group_size))
+
+    def done(self) -> None:
+        """The call entered last returned (calls are blocking: they return in order)."""
+        self.completed = len(self.records)
 
     def mark(self) -> int:
         """The next sequence number (pass it to `bytes_since`)."""
@@ -65,6 +78,7 @@ class CommLog:
 
 
 _LOG = CommLog()
+_CLOCK = phase_clock()
 
 
 def comm_log() -> CommLog:
@@ -84,7 +98,10 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     """In-place sum all-reduce of `tensor` over `group`, counted."""
     w = _size(group)
     _LOG.add("all_reduce", 2 * (w - 1) * _nbytes(tensor) // w, w)
+    token = _CLOCK.begin(COMM_WAIT)
     dist.all_reduce(tensor, group=group)
+    _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()
 
 
 def all_to_all_single(
@@ -93,7 +110,10 @@ def all_to_all_single(
     """Rank r's i-th 1/W piece of `input` lands in rank i's r-th piece of `output`, counted."""
     w = _size(group)
     _LOG.add("all_to_all_single", (w - 1) * _nbytes(input) // w, w)
+    token = _CLOCK.begin(COMM_WAIT)
     dist.all_to_all_single(output, input, group=group)
+    _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()
 
 
 def all_gather_single(
@@ -102,4 +122,7 @@ def all_gather_single(
     """`output` = every rank's `input`, concatenated in rank order, counted."""
     w = _size(group)
     _LOG.add("all_gather_single", (w - 1) * _nbytes(input), w)
+    token = _CLOCK.begin(COMM_WAIT)
     dist.all_gather_single(output, input, group=group)
+    _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()

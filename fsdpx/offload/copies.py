@@ -4,6 +4,10 @@ Both state stores write each updated parameter (or its 16-bit copy) from host me
 the device parameter through `DeviceCopies`: the copy of one bucket or chunk overlaps the
 computation of the next, and the next forward is ordered after the copies without blocking
 the host. Without an accelerator every copy is a plain synchronous copy.
+
+With telemetry on, the copies of one step are timed on the copy stream by a CUDA event
+pair (`h2d_s` of the record, fsdpx/telemetry/phases.py [Note: phase spans]); without an
+accelerator there is no host-to-device copy and `h2d_s` stays nil.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from fsdpx.telemetry.phases import H2D, phase_clock
 
 
 class DeviceCopies:
@@ -27,12 +33,17 @@ class DeviceCopies:
     def __init__(self, on_accel: bool) -> None:
         self.stream = torch.cuda.Stream() if on_accel and torch.cuda.is_available() else None
         self._h2d_done: torch.cuda.Event | None = None
+        self._clock = phase_clock()
+        self._h2d_start: torch.cuda.Event | None = None
 
     def begin(self) -> None:
         """Order the side stream after everything queued so far on the current stream
         (the last reads of the parameters, FSDP's wait for its reductions)."""
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
+            if self._clock.enabled:
+                self._h2d_start = torch.cuda.Event(enable_timing=True)
+                self._h2d_start.record(self.stream)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host `src` into the device parameter `dst` (async on the side stream)."""
@@ -46,10 +57,13 @@ class DeviceCopies:
         """Order the next forward after the copies back, without blocking the host."""
         if self.stream is None:
             return
-        event = torch.cuda.Event()
+        start, self._h2d_start = self._h2d_start, None
+        event = torch.cuda.Event(enable_timing=start is not None)
         event.record(self.stream)
         torch.cuda.current_stream().wait_event(event)
         self._h2d_done = event
+        if start is not None:
+            self._clock.add_events(H2D, start, event)
 
     def wait_done(self) -> None:
         """Block until the copies of the last `finish` landed (their host buffers are free)."""

@@ -54,10 +54,12 @@ from torch import nn
 
 from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
+from fsdpx.telemetry.dump import make_dump
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
+from fsdpx.telemetry.phases import StepPhases, phase_clock
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
 from fsdpx.telemetry.sigterm import SigtermHook
-from fsdpx.telemetry.wire.protocol import EVENT_KINDS, RECORD_FIELDS, ProtocolError
+from fsdpx.telemetry.wire.protocol import EVENT_KINDS, PHASE_FIELDS, RECORD_FIELDS, ProtocolError
 from fsdpx.telemetry.wire.relay import Relay
 from fsdpx.telemetry.wire.runs import RunIdentity
 from fsdpx.telemetry.wire.transport import (
@@ -100,6 +102,8 @@ class PublisherStats:
     connects: int = 0
     send_failures: int = 0
     sender_errors: int = 0
+    dumps_sent: int = 0
+    """Hang dumps sent in answer to a monitor's dump_request."""
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
@@ -173,10 +177,15 @@ class Publisher:
         self._dropped_send = 0  # written by the sender thread only
         self._losses: list[torch.Tensor] = []
         self._last_step_end: float | None = None
+        self._last_step: int | None = None  # for hang dumps (sender thread reads it)
         self._alloc = AllocatorProbe(device)
         self._nvml: NvmlProbe | None = None  # made on the sender thread (NVML init is slow)
         self._peak = device_peak_tflops(device, param_dtype)
         self._meter = StepMeter()
+        # Phase times per step ([Note: phase spans] in fsdpx/telemetry/phases.py).
+        self._clock = phase_clock()
+        self._clock.enable(device)
+        self._clock.take()  # what ran before this publisher is no step of its
         if cfg.measure_flops and module is not None and not compiled:
             self._meter.arm(module)
         # The lr the next step will use: read before each step's optimizer.step().
@@ -244,6 +253,7 @@ class Publisher:
             self._last_step_end = None
         step_time = None if self._last_step_end is None else now - self._last_step_end
         self._last_step_end = now
+        self._last_step = result.global_step
         loss_value, loss_host, ready = self._loss_to_host()
         allocated, reserved, peak = self._alloc.at_step()
         lr = self._lr
@@ -262,6 +272,7 @@ class Publisher:
             loss_value,
             loss_host,
             ready,
+            self._clock.take(),
         )
         if len(self._records) == self._records.maxlen:
             self._dropped_queue += 1
@@ -324,6 +335,7 @@ class Publisher:
         if reason is None:
             reason = "terminated" if self._sigterm.received else "closed"
         self._meter.abort()
+        self._clock.disable()
         detail = {"reason": reason, "dropped": self.dropped}
         detail["events_dropped"] = self.stats.events_dropped
         self.event("exit", step=None, detail=detail)
@@ -406,6 +418,7 @@ class Publisher:
             stopping = self._stopping
             try:
                 self._pump(final=stopping)
+                self._answer_requests()
             except Exception as exc:  # the sender must survive anything
                 self.stats.sender_errors += 1
                 self._warn_once("sender", f"telemetry sender error (continuing): {exc!r}")
@@ -427,6 +440,45 @@ class Publisher:
                 return  # the oldest record's loss copy has not finished yet
             if events and not self._send("events", events):
                 return
+
+    def _answer_requests(self) -> None:
+        """Answer the relay's `dump_request`s with this rank's hang dump ([Note: dumping
+        from the sender thread] in fsdpx/telemetry/dump.py)."""
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            messages = conn.poll()
+        except (OSError, ProtocolError) as exc:  # ConnectionError is an OSError
+            self._drop_connection(f"reading from {self.address} failed ({exc})")
+            return
+        for message in messages:
+            if message.get("type") != "dump_request":
+                continue  # nothing else is sent to ranks (forward compatible)
+            run = message.get("run_id")
+            if run is not None and run != self.run.run_id:
+                continue  # a request for another run on this relay
+            dump = make_dump(
+                message.get("request_id"),
+                rank=self.rank,
+                host=self.host,
+                pid=self.pid,
+                run_id=self.run.run_id,
+                step=self._last_step,
+            )
+            try:
+                conn.send({"type": "dump", "dump": _plain(dump)}, timeout_s=self.cfg.send_timeout_s)
+            except (OSError, ProtocolError) as exc:
+                self._drop_connection(f"sending a hang dump to {self.address} failed ({exc})")
+                return
+            self.stats.dumps_sent += 1
+
+    def _drop_connection(self, why: str) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._retry_at = time.monotonic() + self._backoff
+        self._warn_once("read", f"telemetry: {why}")
 
     def _connect(self, final: bool) -> bool:
         if time.monotonic() < self._retry_at and not final:
@@ -486,6 +538,8 @@ class Publisher:
         out: list[dict[str, Any]] = []
         while self._records and len(out) < _BATCH:
             ready = self._records[0][12]
+            if ready is None:  # no loss copy to wait for: the phase events, if any
+                ready = self._records[0][13].last_event
             if ready is not None and not ready.query():
                 if not final:
                     break
@@ -501,6 +555,7 @@ class Publisher:
             :10
         ]
         loss_value, loss_host = item[10], item[11]
+        phases: StepPhases = item[13]
         loss = float(loss_host.item()) if loss_host is not None else loss_value
         flops = self._meter.flops_per_step
         tflops = flops / step_time / 1e12 if flops and step_time else None
@@ -534,4 +589,5 @@ class Publisher:
             run_id=self.run.run_id,
             job=self.run.job,
         )
+        record.update(zip(PHASE_FIELDS, phases.resolve(), strict=True))
         return record

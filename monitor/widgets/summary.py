@@ -38,7 +38,7 @@ class SummaryBar(Static):
         second.append("  " + source, "italic")
         if s.outliers:
             second.append(f"  outliers {s.outliers}", "bold yellow")
-            legend = " (S slow M mem N nan Z stale E error F failed first P peer failed)"
+            legend = " (S slow M mem N nan Z stale E error F failed first P peer failed H hung)"
             second.append(legend, "dim")
         if s.dropped:
             second.append(f"  dropped {s.dropped}", "red")

@@ -46,7 +46,30 @@ TAG_BYTES = 32
 NONCE_BYTES = 32
 AUTH_SCHEME = "hmac-sha256"
 ROLES = ("rank", "relay", "monitor")
-MESSAGE_TYPES = ("challenge", "hello", "welcome", "error", "records", "events", "history", "log")
+MESSAGE_TYPES = (
+    "challenge",
+    "hello",
+    "welcome",
+    "error",
+    "records",
+    "events",
+    "history",
+    "log",
+    "dump_request",
+    "dump",
+)
+
+PHASE_FIELDS: tuple[str, ...] = (
+    "data_wait_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "comm_wait_s",
+    "h2d_s",
+)
+"""Per-step phase times in seconds (fsdpx/telemetry/phases.py [Note: phase spans]); added
+after version 1 shipped, so optional: records of older publishers and logs lack them and
+readers treat a missing one as nil (DESIGN, Round 2 clarification 5: no version bump)."""
 
 RECORD_FIELDS: tuple[str, ...] = (
     "rank",
@@ -79,12 +102,14 @@ RECORD_FIELDS: tuple[str, ...] = (
     "dropped",
     "run_id",
     "job",
+    *PHASE_FIELDS,
 )
 """Keys of a per-step record, in this order; every key is present, None where unknown.
 Units: time in Unix seconds, memory and comm_bytes in bytes, device_util in percent
 (0-100), mfu as a fraction (0-1), dropped = records this rank lost so far. `run_id` and
 `job` say which launch and job (fsdpx/telemetry/wire/runs.py); readers treat a record without
-them (older publishers) as part of one unnamed run."""
+them (older publishers) as part of one unnamed run. The PHASE_FIELDS come last and may be
+absent (see there)."""
 
 EVENT_KINDS: tuple[str, ...] = (
     "start",

@@ -46,6 +46,7 @@ from typing import Any
 
 from fsdpx.telemetry.wire.history import History
 from fsdpx.telemetry.wire.logfile import LogWriter, open_log_writer
+from fsdpx.telemetry.wire.metrics_http import DEFAULT_TOKEN_ENV, MetricsServer
 from fsdpx.telemetry.wire.protocol import (
     HEADER,
     FrameAuth,
@@ -64,7 +65,12 @@ from fsdpx.telemetry.wire.transport import (
     parse_address,
     read_secret,
 )
-from fsdpx.telemetry.wire.validate import check_hello, validate_message
+from fsdpx.telemetry.wire.validate import (
+    check_dump_request,
+    check_hello,
+    validate_dump,
+    validate_message,
+)
 
 HANDSHAKE_TIMEOUT_S = 10.0
 _RECV_BYTES = 1 << 18
@@ -85,6 +91,8 @@ class RelayStats:
     events_in: int = 0
     monitor_frames_dropped: int = 0
     """Frames dropped from slow monitors' queues."""
+    dump_requests: int = 0
+    """Monitors' dump requests passed on to the ranks."""
     refused_full: int = 0
     cpu_s: float = 0.0
     """CPU time of the relay thread (updated once per loop iteration)."""
@@ -167,6 +175,8 @@ class Relay:
         self._log: LogWriter | None = None
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
+        self.latest: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
+        """The newest record per (run, host, rank): what the Prometheus endpoint serves."""
         self._monitors: dict[int, _Conn] = {}
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -387,18 +397,31 @@ class Relay:
                 for body in self.history.frames():
                     self._queue(conn, body, keep=True)
             return
-        if conn.role == "monitor":
-            return  # monitors have nothing to say after the hello (forward compatible)
         kind = message["type"]
+        if conn.role == "monitor":
+            if kind == "dump_request":
+                self._request_dumps(message)
+            return  # nothing else a monitor says is acted on (forward compatible)
+        owner = (conn.identity["rank"], conn.identity["host"]) if conn.role == "rank" else None
+        if kind == "dump":
+            validate_dump(message, owner=owner)
+            self.stats.frames_in += 1
+            self._forward(conn.decoder.last_body)  # to monitors and the log, not history
+            return
         if kind not in ("records", "events", "history"):
             return  # unknown types are ignored (forward compatible)
-        owner = (conn.identity["rank"], conn.identity["host"]) if conn.role == "rank" else None
         validate_message(message, owner=owner)
         self.stats.frames_in += 1
         if kind in ("records", "history"):
             records = message.get("records") or []
             if records:
+                latest = self.latest
+                for record in records:
+                    latest[(record.get("run_id"), record.get("host"), record.get("rank"))] = record
                 self.history.add_records(records)
+                if len(latest) > self.history.num_ranks:  # a run the history forgot
+                    kept = set(self.history.runs)
+                    self.latest = {k: r for k, r in latest.items() if k[0] in kept}
                 self.stats.records_in += len(records)
                 # The last int step: a record without one must not blank the step its
                 # connection's "disconnected" event reports.
@@ -414,6 +437,16 @@ class Relay:
                 conn.said_exit = conn.said_exit or any(e.get("kind") == "exit" for e in events)
         if kind in ("records", "events"):
             self._forward(conn.decoder.last_body)
+
+    def _request_dumps(self, message: dict[str, Any]) -> None:
+        """A monitor's `dump_request`: passed on to every rank and relay connection (a
+        rank answers with a `dump`, which comes back through `_forward`)."""
+        request = check_dump_request(message)
+        body = encode_frame(request)[HEADER.size :]
+        for conn in list(self._conns.values()):
+            if conn.role in ("rank", "relay"):
+                self._queue(conn, body)
+        self.stats.dump_requests += 1
 
     def _forward(self, body: bytes) -> None:
         if self._log is not None:
@@ -531,6 +564,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log", default=None, help="append frames to this zstd log (.tlm)")
     parser.add_argument("--secret-env", default=DEFAULT_SECRET_ENV, help="env var with secret")
     parser.add_argument("--history", type=int, default=256, help="recent records per rank")
+    parser.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        help="serve per-rank gauges at http://HOST:PORT/metrics (Prometheus text format)",
+    )
+    parser.add_argument(
+        "--prometheus-host",
+        default="127.0.0.1",
+        help="address of the metrics endpoint (default 127.0.0.1; any other needs a token)",
+    )
+    parser.add_argument(
+        "--prometheus-token-env",
+        default=DEFAULT_TOKEN_ENV,
+        help=f"env var with the bearer token scrapes must send (default {DEFAULT_TOKEN_ENV})",
+    )
     args = parser.parse_args(argv)
     relay = Relay(
         args.listen,
@@ -538,9 +587,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_path=args.log,
         history_recent=args.history,
     )
+    metrics: MetricsServer | None = None
     try:
+        # The endpoint first: refused (no token off loopback), the relay never binds.
+        if args.prometheus_port is not None:
+            token = os.environ.get(args.prometheus_token_env) or None
+            metrics = MetricsServer(
+                args.prometheus_host,
+                args.prometheus_port,
+                token=token,
+                latest=lambda: dict(relay.latest),
+            )
         address = relay.bind()
     except (ValueError, OSError) as exc:
+        if metrics is not None:
+            metrics.stop()
         parser.error(str(exc))
 
     # Ctrl-C / SIGTERM only ask the loop to stop: a KeyboardInterrupt raised at an
@@ -551,10 +612,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     print(f"fsdpx relay listening on {address}", flush=True)
+    if metrics is not None:
+        metrics.start()
+        print(f"fsdpx relay metrics on http://{metrics.host}:{metrics.port}/metrics", flush=True)
     try:
         relay.serve()
     finally:
         relay.stop()
+        if metrics is not None:
+            metrics.stop()
     return 0
 
 

@@ -192,6 +192,20 @@ class Connection:
             raise ConnectionError("relay closed the connection")
         return self.decoder.feed(data)
 
+    def poll(self) -> list[dict[str, Any]]:
+        """Messages already arrived, without waiting ([] when none). Raises as `receive`.
+        A rank's sender thread reads the relay's requests (`dump_request`) so."""
+        if buffered := self.decoder.feed(b""):
+            return buffered
+        self.sock.settimeout(0.0)
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return []
+        if not data:
+            raise ConnectionError("relay closed the connection")
+        return self.decoder.feed(data)
+
     def close(self) -> None:
         self.sock.close()
 

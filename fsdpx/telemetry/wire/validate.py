@@ -101,3 +101,41 @@ def validate_message(message: Mapping[str, Any], *, owner: tuple[int, str] | Non
                     f"connection's hello said rank {owner[0]!r} on host {owner[1]!r}: a "
                     "rank's connection publishes only that rank's records and events"
                 )
+
+
+def validate_dump(message: Mapping[str, Any], *, owner: tuple[int, str] | None = None) -> None:
+    """Check a `dump` message (a rank's answer to a dump_request): `dump` is a map with
+    an int `rank` and a str `host`, on a rank's connection exactly the hello's.
+
+    Raises:
+        ProtocolError: naming what is wrong, as validate_message does.
+    """
+    dump = message.get("dump")
+    if type(dump) is not dict:
+        raise ProtocolError(f"'dump' message needs 'dump': a map; got {type(dump).__name__}")
+    rank, host = dump.get("rank"), dump.get("host")
+    if type(rank) is not int or type(host) is not str:
+        raise ProtocolError(
+            f"a dump needs an int 'rank' and a str 'host'; got {rank!r:.80}, {host!r:.80}"
+        )
+    if owner is not None and (rank, host) != owner:
+        raise ProtocolError(
+            f"dump is for rank {rank!r} on host {host!r:.80}, but this connection's hello "
+            f"said rank {owner[0]!r} on host {owner[1]!r}: a rank sends only its own dump"
+        )
+
+
+def check_dump_request(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A monitor's `dump_request`, reduced to the fields passed on to ranks.
+
+    Raises:
+        ProtocolError: `request_id` is not a str, or `run_id` is neither a str nor nil.
+    """
+    request_id, run_id = message.get("request_id"), message.get("run_id")
+    if type(request_id) is not str:
+        raise ProtocolError(
+            f"dump_request needs a str 'request_id'; got {type(request_id).__name__} {request_id!r:.80}"
+        )
+    if run_id is not None and type(run_id) is not str:
+        raise ProtocolError(f"dump_request 'run_id' must be a str or nil; got {run_id!r:.80}")
+    return {"type": "dump_request", "request_id": request_id, "run_id": run_id}

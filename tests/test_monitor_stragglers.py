@@ -1,0 +1,178 @@
+"""Straggler scores from a synthetic record stream (monitor/stragglers.py [Note: straggler
+scoring]): a 4-rank run where rank 1 waits for its data loader, rank 2 is slow in forward
+and rank 3 is slow in backward for 3 steps only. Ranks 1 and 2 become chronic stragglers
+with the right phase (one event each), rank 3 is a one-off while slow and nothing after,
+rank 0 never. Then the same stream through the app (Pilot), replayed and live."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from monitor.app import MonitorApp
+from monitor.messages import TelemetryBatch
+from monitor.model import MonitorModel
+from monitor.screens.stragglers import StragglersScreen, heat_strip
+from monitor.stragglers import ScoreSettings, StragglerScores
+from monitor.synthetic import SlowPhase, SyntheticRun
+from tests.test_monitor_app import screen_lines
+
+STEPS = 30
+ONE_OFF = range(10, 13)
+
+
+def _run() -> SyntheticRun:
+    return SyntheticRun(
+        n_ranks=4,
+        slow_phases=(
+            SlowPhase(1, "data_wait_s", 0.15),
+            SlowPhase(2, "forward_s", 0.2),
+            SlowPhase(3, "backward_s", 0.3, steps=ONE_OFF),
+        ),
+    )
+
+
+def _states(model: MonitorModel) -> dict[int, tuple[str, bool] | None]:
+    rows = {r: model.stragglers.row(r) for r in range(4)}
+    return {r: None if row is None else (row.phase, row.chronic) for r, row in rows.items()}
+
+
+def test_chronic_and_one_off_stragglers_with_their_phase() -> None:
+    run = _run()
+    model = MonitorModel()
+    seen_rank_3: list[tuple[str, bool] | None] = []
+    for step in range(1, STEPS + 1):
+        model.add_records(run.records(step), now=run.time_of(step))
+        seen_rank_3.append(_states(model)[3])
+    # Rank 3 was a one-off straggler in backward while slow, never chronic, then fine.
+    assert ("backward", False) in seen_rank_3
+    assert ("backward", True) not in seen_rank_3
+    assert _states(model) == {0: None, 1: ("data_wait", True), 2: ("forward", True), 3: None}
+    top = model.snapshot(run.time_of(STEPS)).stragglers
+    assert [(r.rank, r.phase, r.chronic) for r in top] == [
+        (1, "data_wait", True),
+        (2, "forward", True),
+    ]
+    assert top[0].text().startswith("rank 1 on node000: data wait ")
+    assert top[0].text().endswith(f"median, chronic for {top[0].chronic_steps} steps")
+    assert top[0].relative is not None and top[0].relative < 1.0
+    made = [e for e in model.events if e["kind"] == "straggler"]
+    assert [(e["rank"], e["detail"]["phase"]) for e in made] == [(1, "data_wait"), (2, "forward")]
+    assert model.take_made_events() == made and model.take_made_events() == []
+
+
+def test_scores_are_fractions_and_waiting_is_not_a_cause() -> None:
+    run = _run()
+    scores = StragglerScores(ScoreSettings())
+    for step in range(1, STEPS + 1):
+        for rec in run.records(step):
+            scores.add(rec["rank"], step, rec)
+    for rank in range(4):
+        for relative, individual in scores.scores(rank).values():
+            for value in (relative, individual):
+                assert value is None or 0.0 <= value <= 1.0
+    # Rank 0 waited for the others in every step (its comm wait is the largest): that
+    # is an effect, never named as its cause.
+    assert scores.row(0) is None
+    assert scores.heat("comm_wait")[0] is not None
+    assert scores.heat("h2d") == dict.fromkeys(range(4))  # no offload: no h2d times
+
+
+def test_records_without_phase_times_score_nothing() -> None:
+    run = SyntheticRun(n_ranks=4, straggler=1)  # an old publisher: no phase fields
+    model = MonitorModel()
+    for step in range(1, 10):
+        model.add_records(run.records(step), now=run.time_of(step))
+    assert model.snapshot(run.time_of(9)).stragglers == []
+    # Scored (with nothing to score) through step 8: without start events (no world
+    # size) step 9 is complete only once a later step begins.
+    assert model.stragglers.last_scored_step == 8
+    model.add_events(run.start_events())
+    model.add_records(run.records(10), now=run.time_of(10))
+    assert model.stragglers.last_scored_step == 10
+
+
+def test_a_rank_that_stops_reporting_does_not_hold_scoring_back() -> None:
+    run = SyntheticRun(n_ranks=3, phases=True, stop_rank=2, stop_after_step=2)
+    scores = StragglerScores(ScoreSettings())
+    for step in range(1, 9):
+        for rec in run.records(step):
+            scores.add(rec["rank"], step, rec)
+    assert scores.last_scored_step == 8 - 3  # CLOSE_LAG steps behind the newest
+
+
+def test_heat_strip_keeps_the_worst_rank_of_a_bucket() -> None:
+    ratios: dict[int, float | None] = {r: 1.0 for r in range(100)}
+    ratios[57] = 4.0
+    ratios[3] = None
+    strip = heat_strip(ratios, 10)
+    assert len(strip.plain) == 10
+    assert strip.plain[5] == "█" and strip.plain.count("█") == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"factor": 1.0}, "expected a straggler factor > 1, found 1.0"),
+        ({"alpha": 0.0}, "expected 0 < straggler alpha <= 1, found 0.0"),
+        ({"chronic_level": 1.5}, "expected 0 < chronic level <= 1, found 1.5"),
+        ({"min_excess": -1.0}, "expected min_excess >= 0, found -1.0"),
+    ],
+)
+def test_bad_score_settings_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ScoreSettings(**kwargs)
+
+
+def _messages(run: SyntheticRun) -> list[dict[str, Any]]:
+    return run.messages(STEPS)
+
+
+async def _until(pilot: Any, done: Any, what: str, limit: int = 400) -> None:
+    """Let the app run until `done()` holds (a state, never a duration)."""
+    for _ in range(limit):
+        if done():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError(f"the app never reached the state: {what}")
+
+
+def _shows(app: MonitorApp, text: str) -> bool:
+    return isinstance(app.screen, StragglersScreen) and text in "\n".join(screen_lines(app))
+
+
+def test_stragglers_screen_in_a_replay() -> None:
+    async def scenario() -> None:
+        app = MonitorApp(replay_messages=_messages(_run()), speed=1000.0)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await _until(pilot, lambda: app.player is not None and app.player.finished, "end")
+            await pilot.press("w")
+            await _until(pilot, lambda: _shows(app, "rank 1 on node000: data wait"), "rank 1")
+            lines = "\n".join(screen_lines(app))
+            assert "rank 2 on node000: forward" in lines and "chronic for" in lines
+            assert "chronic straggler: data wait" in lines  # the event
+            assert "rank 3" not in lines.split("phase time")[0]  # the one-off is over
+            assert "data wait      " in lines  # the heat strip's row
+            await pilot.press("escape")
+            await _until(pilot, lambda: not isinstance(app.screen, StragglersScreen), "back")
+
+    asyncio.run(scenario())
+
+
+def test_stragglers_screen_live() -> None:
+    run = _run()
+    now = run.time_of(STEPS)
+
+    async def scenario() -> None:
+        app = MonitorApp(sources=["/nonexistent/relay.sock"], clock=lambda: now)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("w")
+            await _until(pilot, lambda: _shows(app, "stragglers"), "the screen")
+            for step in range(1, STEPS + 1):
+                app.post_message(TelemetryBatch("test", run.records(step), [], received_at=now))
+            await _until(pilot, lambda: _shows(app, "rank 2 on node000: forward"), "rank 2")
+            assert "chronic straggler: forward" in "\n".join(screen_lines(app))
+
+    asyncio.run(scenario())

@@ -1,0 +1,143 @@
+"""Per-step phase times (fsdpx/telemetry/phases.py [Note: phase spans]) and
+`fsdpx.telemetry.timed_loader`: the record fields a real engine fills, what the clock does
+with telemetry off, no double counting between timed_loader and train_batch, and one real
+3-rank run whose rank 1 has a slow data loader: a monitor connected to the relay reaches
+the state "rank 1 is a chronic straggler in data wait" (waited for, never timed)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fsdpx
+import fsdpx.telemetry
+from fsdpx.telemetry import phases
+from fsdpx.telemetry.phases import DATA_WAIT, PhaseClock, next_batch, phase_clock
+from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.protocol import PHASE_FIELDS, RECORD_FIELDS
+from fsdpx.telemetry.wire.relay import Relay
+from monitor.app import MonitorApp
+from tests import telemetry_bodies
+from tests.dist import run_ranks
+from tests.parity import LR, make_model
+
+
+@pytest.fixture
+def ticking_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[PhaseClock]:
+    """The phase clock, enabled, with a perf_counter that advances 1.0 per read: every
+    timed span is exactly 1 s, so counts are checked without measuring anything."""
+    ticks = itertools.count()
+    monkeypatch.setattr(phases.time, "perf_counter", lambda: float(next(ticks)))
+    clock = phase_clock()
+    clock.enable(torch.device("cpu"))
+    clock.take()
+    yield clock
+    clock.disable()
+
+
+def test_timed_loader_counts_each_wait_once(ticking_clock: PhaseClock) -> None:
+    loader = fsdpx.telemetry.timed_loader([1, 2, 3])
+    assert len(loader) == 3 and list(loader) == [1, 2, 3]  # 3 batches + the end: 4 waits
+    assert ticking_clock.take().seconds[DATA_WAIT] == 4.0
+    it = iter(loader)
+    assert next_batch(it) == 1  # train_batch's read of a timed_loader: not counted twice
+    assert ticking_clock.take().seconds[DATA_WAIT] == 1.0
+    assert next_batch(iter([5])) == 5  # a plain iterator: train_batch counts it
+    assert ticking_clock.take().seconds[DATA_WAIT] == 1.0
+
+
+def test_clock_off_measures_nothing() -> None:
+    clock = PhaseClock()
+    assert clock.begin(DATA_WAIT) is None
+    clock.add(DATA_WAIT, 1.0)
+    assert clock.take().seconds == [None] * len(PHASE_FIELDS)
+    clock.enable(torch.device("cpu"))
+    clock.enable(torch.device("cpu"))  # two publishers in one process
+    clock.disable()
+    assert clock.enabled
+    clock.disable()
+    assert not clock.enabled
+
+
+def test_engine_records_carry_phase_times(tmp_path: Path) -> None:
+    log_path = tmp_path / "run.tlm"
+    cfg = fsdpx.Config.from_dict(
+        {
+            "optimizer": {"type": "adamw", "lr": LR},
+            "telemetry": {
+                "enabled": True,
+                "relay": str(tmp_path / "r.sock"),
+                "log_path": str(log_path),
+            },
+        }
+    )
+    model = make_model()
+    vocab, block = model.config.vocab_size, model.config.block_size
+    engine = fsdpx.shard(model, cfg)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (
+            torch.randint(0, vocab, (2, block), generator=g),
+            torch.randint(0, vocab, (2, block), generator=g),
+        )
+        for _ in range(3)
+    ]
+    it = iter(fsdpx.telemetry.timed_loader(batches))
+    for _ in range(3):
+        engine.train_batch(it)
+    assert engine.telemetry is not None
+    engine.telemetry.close()
+    records = [r for m in iter_log(log_path) if m["type"] == "records" for r in m["records"]]
+    assert len(records) == 3
+    for r in records:
+        assert tuple(r) == RECORD_FIELDS and tuple(r)[-len(PHASE_FIELDS) :] == PHASE_FIELDS
+        for name in ("data_wait_s", "forward_s", "backward_s", "optimizer_s"):
+            assert isinstance(r[name], float) and r[name] >= 0.0, (name, r[name])
+        # One process: no collective went through fsdpx.comm; CPU: no host-to-device copy.
+        assert r["comm_wait_s"] is None and r["h2d_s"] is None
+    assert not phase_clock().enabled  # the publisher's close turned the clock off
+
+
+@pytest.mark.slow  # ~35 s of 3 gloo ranks on 2 busy cores; default-tier twins: the
+# synthetic stream through the app (tests/test_monitor_stragglers.py) and the one-process
+# engine records above.
+def test_rank_with_a_slow_data_loader_is_flagged_live(tmp_path: Path) -> None:
+    relay = Relay(str(tmp_path / "relay.sock"), log_path=tmp_path / "run.tlm")
+    address = str(relay.bind())
+    relay.start_thread()
+    try:
+        steps = telemetry_bodies.SLOW_LOADER_STEPS
+        sent = run_ranks(telemetry_bodies.slow_data_loader, 3, (address, steps))
+        assert sent == [steps] * 3
+        asyncio.run(_monitor_flags_rank_1(address))
+    finally:
+        relay.stop()
+
+
+def _flag(app: MonitorApp, rank: int) -> Any:
+    return app.model.stragglers.row(rank)
+
+
+async def _monitor_flags_rank_1(address: str) -> None:
+    # The relay's history brings every record to a monitor that connects after the run.
+    app = MonitorApp(sources=[address])
+    async with app.run_test(size=(100, 30)) as pilot:
+        slow = telemetry_bodies.SLOW_RANK
+        for _ in range(1000):  # until the state is reached; the bound only ends a failure
+            row = _flag(app, slow)
+            if row is not None and row.chronic:
+                break
+            await pilot.pause(0.02)
+        row = _flag(app, slow)
+        assert row is not None and row.chronic, f"rank {slow} never flagged: {row}"
+        assert row.phase == "data_wait"
+        for other in (0, 2):
+            assert not getattr(_flag(app, other), "chronic", False), _flag(app, other)
+        events = [e for e in app.model.events if e.get("kind") == "straggler"]
+        assert [(e["rank"], e["detail"]["phase"]) for e in events] == [(slow, "data_wait")]
