@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from checkpoint_tools.consolidate import CASTS, consolidate, select
-from checkpoint_tools.format import CheckpointError, CheckpointReader
+from checkpoint_tools.format import CheckpointError, CheckpointReader, DeepSpeedCheckpointError
 from checkpoint_tools.format.root import resolve_checkpoint
 from checkpoint_tools.progress import Progress
 from checkpoint_tools.report import format_text, human, summary
@@ -136,7 +136,16 @@ def _open(path: str) -> CheckpointReader:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    with _open(args.checkpoint) as reader:
+    try:
+        reader = _open(args.checkpoint)
+    except DeepSpeedCheckpointError:
+        # A DeepSpeed folder: describe it (and what an import keeps) instead.
+        from checkpoint_tools.deepspeed.describe import describe, format_description
+
+        ds = describe(args.checkpoint)
+        print(json.dumps(ds, indent=2) if args.json else format_description(ds))
+        return 0
+    with reader:
         info = summary(reader)
     print(json.dumps(info, indent=2) if args.json else format_text(info))
     return 0

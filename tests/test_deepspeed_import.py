@@ -187,3 +187,15 @@ def test_engine_loads_the_import_and_refuses_the_deepspeed_folder(tmp_path: Path
     path, client = engine.load_checkpoint(out, load_optimizer_states=False)
     assert path.name == "global_step4" and client["epoch"] == 1
     assert engine.global_steps == 4
+
+
+def test_inspect_describes_a_deepspeed_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(DATA / "zero2_fp16")]) == 0
+    text = capsys.readouterr().out
+    assert "ZeRO-2, 2 rank(s), fp16, DeepSpeed 0.19.8, step 4, scheduler WarmupDecayLR" in text
+    assert "fp16 loss scaler" in text and "client_state['epoch']" in text
+    assert "client_state['dropped'] (not msgpack-able)" in text
+    assert main(["inspect", "--json", str(DATA / "zero3_universal")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "universal" and info["dtype"] == "bf16"
+    assert [p["name"] for p in info["parameters"]][:2] == ["fc1.weight", "fc2.weight"]

@@ -86,6 +86,13 @@ def find_files(ds_dir: Path, tag: str | None = None) -> Files:
             "importing pipeline checkpoints is not supported",
             path=d,
         )
+    experts = [n for n in names if n.startswith(("expp_rank_", "exp_"))]
+    if experts:
+        raise DeepSpeedImportError(
+            f"this checkpoint holds MoE expert files ({experts[:3]}); importing DeepSpeed "
+            "MoE checkpoints is not supported",
+            path=d,
+        )
     mp = {int(m.group(1)) for n in names if (m := _MP_RE.fullmatch(n))}
     mp |= {int(m.group(3)) for n in names if (m := _OPTIM_RE.fullmatch(n))}
     if mp - {0}:
