@@ -40,7 +40,7 @@ def rss_now():
 from checkpoint_tools.deepspeed import import_deepspeed
 before = rss_now()
 t = time.perf_counter()
-import_deepspeed(sys.argv[1], sys.argv[2])
+import_deepspeed(sys.argv[1], sys.argv[2], compression=sys.argv[3])
 took = time.perf_counter() - t
 after = status('VmHWM')
 print(json.dumps({"s": took, "rss": after - before}))
@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=44 * 1024 * 1024, help="model parameters")
     p.add_argument("--world", type=int, default=2, help="ZeRO ranks (files)")
     p.add_argument("--deepspeed-python", default=sys.executable)
+    p.add_argument("--compression", choices=["zstd", "none"], default="zstd")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ds_import_bench_"))
     try:
@@ -98,9 +99,9 @@ def main() -> None:
             f"checkpoint: ZeRO-2, {args.world} ranks, {args.numel} parameters, "
             f"{size / 2**20:.0f} MiB, largest file {max(f.stat().st_size for f in files) / 2**20:.0f} MiB"
         )
-        ours = _run(sys.executable, _FSDPX, str(work / "ds"), str(work / "fsdpx"))
+        ours = _run(sys.executable, _FSDPX, str(work / "ds"), str(work / "fsdpx"), args.compression)
         print(
-            f"fsdpx-ckpt import-deepspeed: {ours['s']:.2f} s, peak RSS +{ours['rss'] / 2**20:.0f} MiB "
+            f"fsdpx-ckpt import-deepspeed ({args.compression}): {ours['s']:.2f} s, peak RSS +{ours['rss'] / 2**20:.0f} MiB "
             "(weights and Adam state)"
         )
         if not _has_deepspeed(args.deepspeed_python):

@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="REGEX=REPL",
         help="rewrite parameter names with re.sub (repeatable, applied in order)",
     )
+    d.add_argument(
+        "--compression",
+        choices=["zstd", "none"],
+        default="zstd",
+        help="chunk compression of the output (default zstd)",
+    )
     return p
 
 

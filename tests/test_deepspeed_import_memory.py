@@ -90,5 +90,5 @@ def test_benchmark_script_runs() -> None:
         timeout=600,
         check=True,
     )
-    assert "fsdpx-ckpt import-deepspeed:" in proc.stdout
+    assert "fsdpx-ckpt import-deepspeed (zstd):" in proc.stdout
     assert "zero_to_fp32: skipped" in proc.stdout

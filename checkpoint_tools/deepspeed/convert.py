@@ -13,13 +13,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from checkpoint_tools.deepspeed import training_state as ts
 from checkpoint_tools.deepspeed.folder import Files, find_files
 from checkpoint_tools.deepspeed.model_states import ModelStates, Naming, parse_model_states
+from checkpoint_tools.deepspeed.pages import release
 from checkpoint_tools.deepspeed.rectangles import max_pieces
 from checkpoint_tools.deepspeed.sink import Sink
 from checkpoint_tools.deepspeed.unpickle import Stand_in, load
@@ -179,6 +180,7 @@ def _write_runs(
                     sink.put_run(model_name(name), view.float(), run.start, run.param.shape)
             else:
                 sink.put_run(optim_name(fqn, key), view, run.start, run.param.shape)
+            release(view)  # written: its mapped pages may go ([Note: releasing mapped pages])
 
 
 def _zero(files: Files, ms: ModelStates, naming: Naming, sink: Sink) -> tuple[int, GroupFacts]:
@@ -294,10 +296,13 @@ def import_deepspeed(
     *,
     tag: str | None = None,
     renames: Sequence[tuple[str, str]] = (),
+    compression: Literal["zstd", "none"] = "zstd",
+    threads: int | None = None,
 ) -> ImportReport:
     """Convert the DeepSpeed checkpoint at `ds_dir` (root with `latest`, or a tag
     directory; ZeRO 1-3 or universal) into `out_dir/<tag>`, and point `out_dir/latest`
     at it. `renames`: (regex, replacement) pairs applied to every name with re.sub.
+    `compression`, `threads`: as RankWriter's (threads None: up to 4, one per core).
 
     Raises:
         DeepSpeedImportError: refused pickle globals, missing or truncated files,
@@ -316,7 +321,9 @@ def import_deepspeed(
         [p.name for g in ms.groups for p in g] + list(ms.buffers) + list(ms.shared), renames
     )
     ndim = max([len(p.shape) for g in ms.groups for p in g] + [0])
-    sink = Sink(Path(out_dir), files.directory.name, 1 if files.universal else max_pieces(ndim))
+    slots = 1 if files.universal else max_pieces(ndim)
+    threads = threads or min(4, os.cpu_count() or 1)
+    sink = Sink(Path(out_dir), files.directory.name, slots, compression, threads)
     try:
         if files.universal:
             info, has_moments = universal.convert(files, ms, naming, sink)

@@ -13,7 +13,7 @@ import secrets
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -26,7 +26,14 @@ from checkpoint_tools.format.root import check_tag, fsync_dir, write_latest
 class Sink:
     """The output checkpoint being written; `commit` makes it visible."""
 
-    def __init__(self, root: Path, tag: str, slots: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        tag: str,
+        slots: int,
+        compression: Literal["zstd", "none"] = "zstd",
+        threads: int = 1,
+    ) -> None:
         check_tag(tag)
         if (root / tag).exists():
             raise DeepSpeedImportError(
@@ -36,6 +43,7 @@ class Sink:
             )
         root.mkdir(parents=True, exist_ok=True)
         self.root, self.tag, self.slots = root, tag, slots
+        self.compression, self.threads = compression, threads
         self.temp = root / f"{tag}.tmp-{secrets.token_hex(6)}"
         self.infos: list[dict[str, Any]] = []
         self._group: list[RankWriter] = []
@@ -45,7 +53,10 @@ class Sink:
         """Start the next group of `slots` rank files (one per DeepSpeed rank file)."""
         self.close_group()
         base = len(self.infos)
-        self._group = [RankWriter(self.temp, base + j) for j in range(self.slots)]
+        self._group = [
+            RankWriter(self.temp, base + j, compression=self.compression, threads=self.threads)
+            for j in range(self.slots)
+        ]
 
     def close_group(self) -> None:
         for w in self._group:

@@ -23,8 +23,9 @@ The allow-list (ALLOWED), each with the reason a real checkpoint holds it:
   ZeRO 1/2 optimizer files (a dataclass: numel and start of a parameter's slice).
 - `deepspeed.checkpoint.constants` has no classes; the universal checkpoint's files
   hold only tensors, dicts and strings.
-Files are memory-mapped (`mmap=True`) where torch can, so a partition file's tensors are
-paged in as the importer reads them rather than all at once.
+Files are memory-mapped (`mmap=True`, so torch's zip format only: what torch.save has
+written since torch 1.6), so a partition file's tensors are paged in as the importer
+reads them rather than all at once.
 """
 
 from __future__ import annotations
@@ -120,10 +121,7 @@ def load(path: Path) -> Any:
 
 
 def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        # mmap needs torch's zip format; files of old torch versions are plain pickles.
-        if "mmap" not in str(exc):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=True)
+    # Always memory-mapped: the importer releases pages it has written
+    # ([Note: releasing mapped pages] in pages.py), which is only safe on a file mapping.
+    # mmap needs torch's zip format (torch >= 1.6 writes it; DeepSpeed uses torch.save).
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
