@@ -174,12 +174,20 @@ def test_cli_imports_and_renames(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_engine_loads_the_import_and_refuses_the_deepspeed_folder(tmp_path: Path) -> None:
     import fsdpx
+    import fsdpx.deepspeed as deepspeed
     from checkpoint_tools.format import DeepSpeedCheckpointError
     from tests.ds_import_model import make_model
 
     engine = fsdpx.shard(make_model(), fsdpx.Config.from_dict({"zero": {"stage": 0}}))
     with pytest.raises(DeepSpeedCheckpointError, match="fsdpx-ckpt import-deepspeed DS_DIR"):
         engine.load_checkpoint(DATA / "zero1_fp32")
+    # The DeepSpeed adapter too: never "no checkpoint, start fresh" (clarification 9).
+    config = json.loads((DATA / "zero1_fp32" / "record.json").read_text())["config"]
+    config["train_micro_batch_size_per_gpu"] = 4
+    ds_engine, _, _, _ = deepspeed.initialize(model=make_model(), config=config)
+    with pytest.raises(DeepSpeedCheckpointError, match="fsdpx-ckpt import-deepspeed DS_DIR"):
+        ds_engine.load_checkpoint(str(DATA / "zero1_fp32"))
+    ds_engine.destroy()
     out = _imported(tmp_path, "zero1_fp32")
     # DeepSpeed's run had two param groups; an optimizer built with one is told so.
     with pytest.raises(ValueError, match=r"param groups \(\[6\] parameters\) do not match"):

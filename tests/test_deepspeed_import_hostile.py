@@ -130,3 +130,30 @@ def test_flat_runs_become_rectangles_covering_each_element_once() -> None:
                 expected = torch.zeros(n, dtype=torch.int32)
                 expected[a:b] = 1
                 assert torch.equal(hits.reshape(-1), expected), (shape, a, b)
+
+
+def test_names_module_prefix_renames_and_collisions() -> None:
+    from checkpoint_tools.deepspeed.model_states import Naming
+
+    naming = Naming(["module.fc.weight", "module.fc.bias"], [])
+    assert naming.fqn("module.fc.weight") == "fc.weight"
+    assert naming.notes == ["removed the 'module.' prefix that every name carried"]
+    mixed = Naming(["module.fc.weight", "head.bias"], [])
+    assert mixed.fqn("module.fc.weight") == "module.fc.weight" and not mixed.notes
+    with pytest.raises(DeepSpeedImportError, match="would both be named 'x'"):
+        Naming(["a.w", "b.w"], [(r"^.*$", "x")])
+    with pytest.raises(DeepSpeedImportError, match="not a valid name"):
+        Naming(["a.w"], [(r"\.", "/../")])
+
+
+def test_shared_parameters_are_written_under_every_name(tmp_path: Path) -> None:
+    from checkpoint_tools import load_state_dict
+
+    ds = _copy(tmp_path)
+    states = ds / "global_step4" / "mp_rank_00_model_states.pt"
+    raw = load(states)
+    raw["shared_params"] = {"tied.weight": "fc2.weight"}
+    torch.save(raw, states)
+    import_deepspeed(ds, tmp_path / "out")
+    sd = load_state_dict(tmp_path / "out")
+    assert torch.equal(sd["tied.weight"], sd["fc2.weight"])
