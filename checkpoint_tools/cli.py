@@ -8,6 +8,7 @@ corrupt, invalid), 2 bad command-line usage.
     fsdpx-ckpt verify ckpt/global_step100
     fsdpx-ckpt consolidate ckpt/ out/ --dtype bf16 --max-shard-size 5GB
     fsdpx-ckpt consolidate ckpt/ model.pt          # torch.save state dict
+    fsdpx-ckpt import-deepspeed ds_ckpt/ ckpt/     # DeepSpeed ZeRO/universal -> fsdpx
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from checkpoint_tools.consolidate import CASTS, consolidate, select
-from checkpoint_tools.format import CheckpointError, CheckpointReader
+from checkpoint_tools.format import CheckpointError, CheckpointReader, DeepSpeedCheckpointError
 from checkpoint_tools.format.root import resolve_checkpoint
 from checkpoint_tools.progress import Progress
 from checkpoint_tools.report import format_text, human, summary
@@ -86,6 +87,31 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every checksum; exit 1 naming the first bad chunk")
     v.add_argument("checkpoint")
     v.add_argument("--deep", action="store_true", help="also decompress every chunk")
+    d = sub.add_parser(
+        "import-deepspeed",
+        help="convert a DeepSpeed ZeRO or universal checkpoint, optimizer state included",
+        description="Convert a DeepSpeed checkpoint (ZeRO 0-3 or ds_to_universal output) "
+        "into an fsdpx checkpoint OUT_DIR/<tag> (and OUT_DIR/latest) that "
+        "engine.load_checkpoint(OUT_DIR) resumes: fp32 weights, Adam moments and step, "
+        "counters, scheduler, loss scaler, client_state. Unpickles only an allow-list "
+        "(checkpoint_tools/DEEPSPEED.md).",
+    )
+    d.add_argument("ds_dir", help="DeepSpeed checkpoint root (with `latest`) or tag directory")
+    d.add_argument("out_dir", help="fsdpx checkpoint root to write into")
+    d.add_argument("--tag", default=None, help="DeepSpeed tag to import (default: `latest`)")
+    d.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="REGEX=REPL",
+        help="rewrite parameter names with re.sub (repeatable, applied in order)",
+    )
+    d.add_argument(
+        "--compression",
+        choices=["zstd", "none"],
+        default="zstd",
+        help="chunk compression of the output (default zstd)",
+    )
     return p
 
 
@@ -97,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "import-deepspeed":
+            return _import_deepspeed(args)
         return _consolidate(args)
     except CheckpointError as exc:
         print(f"fsdpx-ckpt {args.command}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -114,7 +142,16 @@ def _open(path: str) -> CheckpointReader:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    with _open(args.checkpoint) as reader:
+    try:
+        reader = _open(args.checkpoint)
+    except DeepSpeedCheckpointError:
+        # A DeepSpeed folder: describe it (and what an import keeps) instead.
+        from checkpoint_tools.deepspeed.describe import describe, format_description
+
+        ds = describe(args.checkpoint)
+        print(json.dumps(ds, indent=2) if args.json else format_description(ds))
+        return 0
+    with reader:
         info = summary(reader)
     print(json.dumps(info, indent=2) if args.json else format_text(info))
     return 0
@@ -152,6 +189,17 @@ def _consolidate(args: argparse.Namespace) -> int:
         )
     for path in paths:
         print(path)
+    return 0
+
+
+def _import_deepspeed(args: argparse.Namespace) -> int:
+    from checkpoint_tools.deepspeed import import_deepspeed, parse_renames
+
+    report = import_deepspeed(
+        args.ds_dir, args.out_dir, tag=args.tag, renames=parse_renames(args.rename)
+    )
+    for line in report.lines():
+        print(line)
     return 0
 
 

@@ -17,7 +17,8 @@
     │   ├── CheckpointNotFoundError     no checkpoint (directory, MANIFEST or `latest`)
     │   ├── CheckpointVersionError      written by a newer, incompatible format version
     │   ├── CheckpointFormatError       bytes that break checkpoint_tools/FORMAT.md
-    │   │   └── DeepSpeedCheckpointError    a DeepSpeed checkpoint folder, not fsdpx's
+    │   │   ├── DeepSpeedCheckpointError    a DeepSpeed checkpoint folder, not fsdpx's
+    │   │   └── DeepSpeedImportError    `fsdpx-ckpt import-deepspeed` refused the input
     │   └── CheckpointCorruptError      bytes damaged after writing (checksum, size)
     └── ProtocolError               a telemetry frame or message breaks monitor/PROTOCOL.md
         └── AuthError               a failed telemetry handshake or a wrong HMAC tag
@@ -52,6 +53,7 @@ _ELSEWHERE = {
     "CheckpointNotFoundError": "checkpoint_tools.format.errors",
     "CheckpointVersionError": "checkpoint_tools.format.errors",
     "DeepSpeedCheckpointError": "checkpoint_tools.format.errors",
+    "DeepSpeedImportError": "checkpoint_tools.format.errors",
     "ProtocolError": "fsdpx.telemetry.wire.protocol",
 }
 
@@ -72,6 +74,7 @@ if TYPE_CHECKING:  # the same classes for type checkers (`X as X`: an explicit r
     from checkpoint_tools.format.errors import (
         DeepSpeedCheckpointError as DeepSpeedCheckpointError,
     )
+    from checkpoint_tools.format.errors import DeepSpeedImportError as DeepSpeedImportError
     from fsdpx.telemetry.wire.protocol import AuthError as AuthError
     from fsdpx.telemetry.wire.protocol import ProtocolError as ProtocolError
 

@@ -223,7 +223,7 @@ def _deepspeed_folder(tmp_path: Path, *, latest: bool = True) -> Path:
 
 
 _DS = r"is a DeepSpeed checkpoint folder \(it holds '.*_states\.pt'\).*fsdpx cannot load "
-_DS += "DeepSpeed checkpoints directly.*DeepSpeed checkpoint import is not available yet"
+_DS += "DeepSpeed checkpoints directly.*fsdpx-ckpt import-deepspeed DS_DIR OUT_DIR"
 
 
 @pytest.mark.parametrize("latest", [True, False], ids=["with-latest", "without-latest"])
@@ -260,7 +260,7 @@ def test_deepspeed_folder_through_the_engine_and_the_cli(
 
 
 def test_deepspeed_hint_names_no_command_that_does_not_exist(tmp_path: Path) -> None:
-    # When `fsdpx-ckpt import-deepspeed` lands, this fails until the hint names it
+    # The hint names the import command exactly when `fsdpx-ckpt --help` lists it
     # (checkpoint_tools/format/deepspeed_folder.py: IMPORT_HINT).
     help_text = subprocess.run(
         [sys.executable, "-m", "checkpoint_tools", "--help"],

@@ -15,6 +15,7 @@ from checkpoint_tools.format.errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
     DeepSpeedCheckpointError,
+    DeepSpeedImportError,
 )
 from checkpoint_tools.format.layout import (
     DTYPES,
@@ -48,6 +49,7 @@ __all__ = [
     "CheckpointVersionError",
     "Chunk",
     "DeepSpeedCheckpointError",
+    "DeepSpeedImportError",
     "Piece",
     "RankFile",
     "RankWriter",

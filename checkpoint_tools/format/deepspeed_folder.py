@@ -15,9 +15,10 @@ The check only runs on the resolvers' failure paths (no MANIFEST where a checkpo
 expected), so loading an fsdpx checkpoint never pays for it. It lists at most the
 folder and its direct subdirectories, and opens no file.
 
-DeepSpeed checkpoint import (`fsdpx-ckpt import-deepspeed DS_DIR OUT_DIR`, DESIGN Round 2)
-does not exist yet; the message says so and names no command. The change that adds the
-command updates IMPORT_HINT (and its test in tests/test_ckpt_root.py).
+The message names the import command (`fsdpx-ckpt import-deepspeed DS_DIR OUT_DIR`,
+checkpoint_tools/deepspeed/), which converts the folder, optimizer state included,
+without running its pickles; tests/test_ckpt_root.py checks that the hint names a
+command `fsdpx-ckpt --help` lists.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ _STATES_RE = re.compile(r"[\w.-]*[_-](model|optim)_states\.pt")
 _ROOT_MARKERS = ("latest_universal", "zero_to_fp32.py")
 
 IMPORT_HINT = (
-    "fsdpx cannot load DeepSpeed checkpoints directly, and DeepSpeed checkpoint import is "
-    "not available yet in this fsdpx version. To carry the weights over, run the "
-    "zero_to_fp32.py script DeepSpeed saved next to the checkpoint and load the resulting "
-    "state dict into the model before fsdpx.shard (optimizer state is not carried over), "
-    "or point fsdpx at a checkpoint fsdpx saved"
+    "fsdpx cannot load DeepSpeed checkpoints directly (they are pickles, and loading "
+    "never unpickles). Convert it once with `fsdpx-ckpt import-deepspeed DS_DIR OUT_DIR` "
+    "(weights, Adam state, step counters, lr scheduler and loss scaler; nothing in the "
+    "files is run) and load OUT_DIR, or point fsdpx at a checkpoint fsdpx saved"
 )
 
 

@@ -5,8 +5,11 @@
     ├── CheckpointVersionError      written by a newer, incompatible format major version
     ├── CheckpointFormatError       bytes that do not follow FORMAT.md (bad magic, schema,
     │   │                           names, sizes or layouts that break a MUST rule)
-    │   └── DeepSpeedCheckpointError    a DeepSpeed checkpoint folder where an fsdpx
-    │                                   checkpoint was expected (never "not found")
+    │   ├── DeepSpeedCheckpointError    a DeepSpeed checkpoint folder where an fsdpx
+    │   │                               checkpoint was expected (never "not found")
+    │   └── DeepSpeedImportError    a DeepSpeed checkpoint that `fsdpx-ckpt import-deepspeed`
+    │                               cannot convert (refused pickle global, truncated or
+    │                               missing file, sizes that do not add up)
     └── CheckpointCorruptError      bytes that follow the format but were damaged
                                     (checksum, size or file-identity mismatch)
 
@@ -68,6 +71,12 @@ class DeepSpeedCheckpointError(CheckpointFormatError):
     """A DeepSpeed checkpoint folder (`latest` + `<tag>/*_states.pt`) was given where an
     fsdpx checkpoint was expected; see [Note: DeepSpeed folders] in
     checkpoint_tools/format/deepspeed_folder.py."""
+
+
+class DeepSpeedImportError(CheckpointFormatError):
+    """A DeepSpeed checkpoint that cannot be imported: a pickle naming a global outside
+    the allow-list, a missing or truncated file, or shapes and partition sizes that do not
+    add up (checkpoint_tools/DEEPSPEED.md). Names the file and, where known, the key."""
 
 
 class CheckpointCorruptError(CheckpointError):

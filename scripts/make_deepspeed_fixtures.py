@@ -1,0 +1,213 @@
+"""Generate the DeepSpeed checkpoint fixtures of tests/data/deepspeed_ckpt/ (issue 17).
+
+Runs in a separate environment with DeepSpeed installed (never fsdpx's): real DeepSpeed
+training on the CPU accelerator, 2 ranks over gloo, saving a real checkpoint mid-run and
+recording how DeepSpeed's own run continues from it. The importer's tests compare
+against these records without importing DeepSpeed.
+
+    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=/tmp/ds_ext \
+        /tmp/dsvenv/bin/python scripts/make_deepspeed_fixtures.py tests/data/deepspeed_ckpt
+
+For each case it writes `<case>/` (DeepSpeed's own checkpoint folder: `latest`,
+`global_step4/*.pt`), `<case>/zero_to_fp32.safetensors` (DeepSpeed's zero_to_fp32 output
+for that checkpoint: the fp32 weights an import must reproduce bitwise),
+`<case>/continued.safetensors` (zero_to_fp32 of a checkpoint saved after CONTINUE more
+steps) and `<case>/record.json` (config, versions, per-micro-batch losses before and
+after the save). `zero3_universal/` is `ds_to_universal` applied to zero3_bf16's
+checkpoint; its resume reference is zero3_bf16's record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+STEPS = 4
+"""Optimizer steps before the checkpoint."""
+CONTINUE = 3
+"""Optimizer steps DeepSpeed takes after it (the resume reference)."""
+WORLD = 2
+
+
+def _optimizer(lr: float) -> dict[str, Any]:
+    # torch_adam: torch.optim.AdamW inside DeepSpeed (FusedAdam needs a JIT op build).
+    return {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "torch_adam": True}}
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "zero1_fp32": {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 1},
+        "optimizer": _optimizer(1e-2),
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5},
+        },
+    },
+    "zero2_fp16": {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 2},
+        "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2},
+        "optimizer": _optimizer(1e-2),
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 1e-2,
+                "warmup_num_steps": 3,
+                "total_num_steps": 20,
+            },
+        },
+    },
+    "zero3_bf16": {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+        "optimizer": _optimizer(1e-2),
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"warmup_num_steps": 3, "total_num_steps": 20},
+        },
+    },
+}
+GROUPED = {"zero1_fp32", "zero3_bf16"}
+"""Cases built with two param groups (model_parameters=param_groups(model))."""
+
+
+def worker(case: str, out: Path) -> None:
+    """One rank of a DeepSpeed run (under torchrun)."""
+    import deepspeed
+    import deepspeed.comm.torch
+    import torch
+    import torch.distributed as dist
+
+    # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op on first use (minutes
+    # of compiling); gloo's collectives give the same sums for these tiny tensors.
+    # (`deepspeed.comm.torch` as an attribute is torch itself, re-exported: use sys.modules.)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from ds_import_model import make_model, micro_batch, param_groups
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = json.loads(json.dumps(CASES[case]))
+    model = make_model()
+    params = param_groups(model) if case in GROUPED else model.parameters()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    gas = config["gradient_accumulation_steps"]
+
+    def run(first_step: int, steps: int) -> list[float]:
+        losses = []
+        for micro in range(first_step * gas, (first_step + steps) * gas):
+            x, y = micro_batch(micro, rank, world)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        return losses
+
+    before = run(0, STEPS)
+    engine.save_checkpoint(str(out / case), client_state={"epoch": 1, "dropped": torch.ones(2)})
+    after = run(STEPS, CONTINUE)
+    engine.save_checkpoint(str(out / f"{case}.continued"))
+    if rank == 0:
+        record = {
+            "case": case,
+            "config": CASES[case],
+            "grouped": case in GROUPED,
+            "world_size": world,
+            "steps": STEPS,
+            "continue": CONTINUE,
+            "losses_before": before,
+            "losses_after": after,
+            "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+        }
+        (out / f"{case}.record.json").write_text(json.dumps(record, indent=1) + "\n")
+    dist.barrier()
+
+
+def fp32_reference(ckpt: Path, dest: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
+
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(dest))
+
+
+def main(dest: Path) -> None:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="ds_ext_"))
+    work = Path(tempfile.mkdtemp(prefix="ds_fixtures_"))
+    torchrun = Path(sys.executable).parent / "torchrun"
+    for case in CASES:
+        subprocess.run(
+            [
+                str(torchrun),
+                f"--nproc_per_node={WORLD}",
+                "--master_port=29561",
+                __file__,
+                "--worker",
+                case,
+                str(work),
+            ],
+            check=True,
+            env=env,
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    for case in CASES:
+        target = dest / case
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(work / case, target, ignore=shutil.ignore_patterns("zero_to_*.py"))
+        fp32_reference(work / case, target / "zero_to_fp32.safetensors")
+        fp32_reference(work / f"{case}.continued", target / "continued.safetensors")
+        shutil.copy(work / f"{case}.record.json", target / "record.json")
+    # ZeRO-3 after ds_to_universal (DeepSpeed's own converter, run as DeepSpeed documents).
+    src = work / "zero3_bf16"
+    tag = (src / "latest").read_text().strip()
+    uni = dest / "zero3_universal"
+    shutil.rmtree(uni, ignore_errors=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(src / tag),
+            "--output_folder",
+            str(uni / f"{tag}_universal"),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        check=True,
+        env=env,
+    )
+    (uni / "latest_universal").write_text(f"{tag}_universal")
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], Path(sys.argv[3]))
+    elif len(sys.argv) == 2:
+        main(Path(sys.argv[1]))
+    else:
+        sys.exit(__doc__)
