@@ -50,6 +50,7 @@ def training_args(out: str, world: int, **kw: Any) -> Any:
         use_cpu=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        per_device_eval_batch_size=8,  # 16 eval samples: 2 batches on 1 rank, 1 per rank on 2
     )
     base.update(kw)
     return TrainingArguments(**base)
@@ -106,7 +107,10 @@ def stock_reference(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]
         args = training_args(str(Path(tmp) / case["name"]), 1, **case["args"])
         trainer = Trainer(model=model, args=args, train_dataset=PatternData())
         trainer.train()
-        results.append({"losses": _losses(trainer), "params": _full_params(model)})
+        eval_loss = trainer.evaluate(PatternData(16, seed=1))["eval_loss"]
+        results.append(
+            {"losses": _losses(trainer), "params": _full_params(model), "eval_loss": eval_loss}
+        )
     return results
 
 
@@ -124,8 +128,14 @@ def fsdpx_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         )
         trainer.train()
         grad_norms = [h.get("grad_norm") for h in trainer.state.log_history if "loss" in h]
+        eval_loss = trainer.evaluate(PatternData(16, seed=1))["eval_loss"]
         parity.append(
-            {"losses": _losses(trainer), "params": _full_params(model), "grad_norms": grad_norms}
+            {
+                "losses": _losses(trainer),
+                "params": _full_params(model),
+                "grad_norms": grad_norms,
+                "eval_loss": eval_loss,
+            }
         )
         trainer.engine.close()
     full = _resume_run(Path(tmp) / "resume", world_size, resume=False)

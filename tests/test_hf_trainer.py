@@ -1,7 +1,7 @@
 """fsdpx.hf.Trainer on 2 gloo ranks against the stock transformers Trainer on one process
 (same script, data, seed and global batch): ZeRO-2 and ZeRO-3, gradient accumulation 2,
 clipping on every step, the linear and cosine schedules, the Trainer's optimizer and the
-config's. Then resume from checkpoint-N in fresh processes: bitwise the same losses."""
+config's, then evaluate(). Then resume from checkpoint-N in fresh processes: bitwise the same losses."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def test_two_ranks_match_the_stock_trainer(runs: dict[str, Any], case: int) -> N
         ours = rank_result["parity"][case]
         assert len(ours["losses"]) == len(ref["losses"]) == 4
         torch.testing.assert_close(ours["losses"], ref["losses"])
+        torch.testing.assert_close(ours["eval_loss"], ref["eval_loss"])
         assert all(n is not None and n > 0.1 for n in ours["grad_norms"])  # clipping was active
         assert ours["params"].keys() == ref["params"].keys()
         for name, value in ref["params"].items():
