@@ -83,3 +83,64 @@ def header_bytes(path: Path) -> int:
         with open(f, "rb") as fh:
             total += 8 + int.from_bytes(fh.read(8), "little")
     return total
+
+
+def big_llama_config() -> Any:
+    """~84M parameters, ~335 MB in fp32 (tied embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    # Writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def load_peak_rss(rank: int, world_size: int, src: str) -> dict[str, int]:
+    """Peak RSS growth of this rank while from_pretrained loads `src` under ZeRO-3."""
+    import gc
+
+    from transformers import LlamaForCausalLM
+
+    import fsdpx
+    import fsdpx.hf
+
+    gc.collect()
+    _reset_peak()
+    before = _rss_bytes()
+    engine, info = fsdpx.hf.from_pretrained(
+        LlamaForCausalLM,
+        src,
+        fsdpx.Config.from_dict({"zero": {"stage": 3}}),
+        output_loading_info=True,
+    )
+    peak = _peak_bytes()
+    shard = sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())
+    return {"growth": peak - before, "shard": shard, "bytes_read": info["bytes_read"]}

@@ -70,3 +70,26 @@ def test_tp2_and_zero3_four_ranks_load_the_same_logits(saved: dict[str, Any]) ->
     for world, cfg in ((2, {"mesh": {"tp": 2}}), (4, {"zero": {"stage": 3}})):
         for r in run_ranks(load_and_save, world, ([(sharded, None, cfg)],)):
             torch.testing.assert_close(r[0]["logits"], saved["logits"])
+
+
+@pytest.mark.slow
+def test_each_rank_peak_rss_while_loading_stays_near_its_shard(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A ~335 MB model loads under ZeRO-3 on 2 ranks: each rank's peak RSS grows by its
+    shard (about half) plus working memory, far below the full model."""
+    from transformers import LlamaForCausalLM
+
+    from tests.hf_bodies import big_llama_config, load_peak_rss
+
+    src = tmp_path_factory.mktemp("big") / "model"
+    model = LlamaForCausalLM(big_llama_config())
+    model.save_pretrained(src)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    assert full >= 300e6
+    for r in run_ranks(load_peak_rss, 2, (str(src),)):
+        assert r["shard"] < 0.51 * full
+        # Its shard, plus 64 MiB of interpreter / allocator working memory.
+        assert r["growth"] < r["shard"] + 64 * 2**20, (r, full)
+        assert r["growth"] < 0.6 * full

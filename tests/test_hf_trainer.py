@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,6 +59,7 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_losses_bitwise(
     assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
     assert (ckpt / "fsdpx" / "latest").is_file()
     assert not list(ckpt.rglob("*.bin")) and not list(ckpt.rglob("*.pt"))
+    _consolidate_matches_the_saved_model(ckpt, runs["tmp"] / "consolidated")
     full = runs["ours"][0]["uninterrupted"]["log"]
     shutil.rmtree(out / "checkpoint-6")  # as if the job died after step 4's save
     resumed = run_ranks(fsdpx_resume, 2, (str(runs["tmp"] / "fsdpx"),), env=_env(2))
@@ -66,3 +68,32 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_losses_bitwise(
         assert steps == [1, 2, 3, 4, 5, 6]  # the log history comes back with the state
         assert [h["loss"] for h in r["log"][4:]] == [h["loss"] for h in full[4:]]
         assert [h["grad_norm"] for h in r["log"][4:]] == [h["grad_norm"] for h in full[4:]]
+
+
+def _consolidate_matches_the_saved_model(ckpt: Path, out: Path) -> None:
+    """`fsdpx-ckpt consolidate --hf-config` turns the fsdpx state of checkpoint-N into a
+    directory plain transformers loads, with the weights save_model wrote."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint_tools.cli import main
+
+    assert main(["consolidate", str(ckpt / "fsdpx"), str(out), "--hf-config", str(ckpt)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    state = model.state_dict()
+    saved = load_file(ckpt / "model.safetensors")
+    for name, value in saved.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_consolidate_hf_config_needs_a_model_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from checkpoint_tools.cli import main
+
+    assert (
+        main(["consolidate", str(tmp_path), str(tmp_path / "o"), "--hf-config", str(tmp_path)]) == 2
+    )
+    assert f"--hf-config {tmp_path}: no config.json there" in capsys.readouterr().err
+    assert main(["consolidate", str(tmp_path), "m.pt", "--hf-config", str(tmp_path)]) == 2
+    assert "OUT must be a directory" in capsys.readouterr().err
