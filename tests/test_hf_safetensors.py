@@ -164,3 +164,24 @@ def test_checkpoint_mismatches_are_errors_before_sharding(llama_dir: Path, tmp_p
     with pytest.raises(FileNotFoundError, match=r"reads safetensors only"):
         fsdpx.hf.from_pretrained(LlamaForCausalLM, tmp_path, config=object())
     assert not dist.is_initialized()
+
+
+def test_only_fsdpx_hf_imports_transformers_or_accelerate() -> None:
+    """Every import statement (any depth, functions included) outside fsdpx/hf/."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    offenders = []
+    for package in ("fsdpx", "checkpoint_tools", "monitor"):
+        for path in (root / package).rglob("*.py"):
+            if (root / "fsdpx" / "hf") in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                if any(n.split(".")[0] in ("transformers", "accelerate") for n in names):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert offenders == []
