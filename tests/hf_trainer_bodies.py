@@ -139,7 +139,29 @@ def fsdpx_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         )
         trainer.engine.close()
     full = _resume_run(Path(tmp) / "resume", world_size, resume=False)
-    return {"parity": parity, "uninterrupted": full}
+    return {"parity": parity, "uninterrupted": full, "checkpointed": _checkpointed_run(tmp)}
+
+
+def _checkpointed_run(tmp: str) -> dict[str, Any]:
+    """The first parity case with activation_checkpointing=True: fsdpx's checkpointing of
+    the blocks, transformers' switched off; the same numbers."""
+    from fsdpx.hf import Trainer
+
+    case = PARITY_CASES[0]
+    model = tiny_llama().train()
+    args = training_args(str(Path(tmp) / "ac"), 2, activation_checkpointing=True, **case["args"])
+    trainer = Trainer(model=model, args=args, train_dataset=PatternData(), fsdpx_config=case["ds"])
+    trainer.train()
+    from torch.distributed._composable.contract import _get_registry
+
+    # fsdpx applies torch's composable checkpoint (hooks, no wrapper module) to the blocks.
+    wrapped = any("checkpoint" in (_get_registry(m) or {}) for m in model.modules())
+    return {
+        "losses": _losses(trainer),
+        "params": _full_params(model),
+        "fsdpx_ac": wrapped,
+        "hf_ac": model.is_activation_checkpointing,
+    }
 
 
 def _resume_run(out: Path, world_size: int, *, resume: bool) -> dict[str, Any]:

@@ -47,6 +47,16 @@ def test_two_ranks_match_the_stock_trainer(runs: dict[str, Any], case: int) -> N
             torch.testing.assert_close(ours["params"][name], value, msg=name)
 
 
+def test_activation_checkpointing_argument_is_fsdpx_checkpointing(runs: dict[str, Any]) -> None:
+    ref = runs["reference"][0]
+    for rank_result in runs["ours"]:
+        ours = rank_result["checkpointed"]
+        assert ours["fsdpx_ac"] and not ours["hf_ac"]
+        torch.testing.assert_close(ours["losses"], ref["losses"])
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(ours["params"][name], value, msg=name)
+
+
 def test_resume_from_checkpoint_gives_the_uninterrupted_losses_bitwise(
     runs: dict[str, Any],
 ) -> None:

@@ -29,12 +29,17 @@ logging, callbacks, evaluation, `trainer_state.json`, checkpoint rotation):
   and the Trainer's own `trainer_state.json`. Resuming loads the fsdpx checkpoint (any
   world size) and re-applies its RNG state where the Trainer restores RNG.
 
+`activation_checkpointing=True` (the former `gradient_checkpointing`) is fsdpx's
+activation checkpointing of the model's blocks (every `every_n_layers`-th), not
+transformers' own.
+
 Data loaders split batches over every rank, so the mesh must be data-parallel only
 (ZeRO 0-3, HSDP): tensor / pipeline parallel meshes are refused here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -46,7 +51,7 @@ from torch import nn
 
 import fsdpx
 from fsdpx.checkpoint.state import rng_state, set_rng_state
-from fsdpx.config import Config
+from fsdpx.config import ActivationCheckpointConfig, Config
 from fsdpx.engine import Engine
 from fsdpx.hf.trainer_config import check_native, fill_deepspeed, resolve_source
 
@@ -190,6 +195,7 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
             ]
             opt_cls, opt_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
             kwargs["optimizer"] = lambda groups: opt_cls(groups, **opt_kwargs)
+        cfg = self._activation_checkpointing(cfg)
         engine = fsdpx.shard(model, cfg, **kwargs)
         if not source.has_scheduler:
             if max_steps is None:
@@ -207,6 +213,42 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
         self.model_wrapped = self._hf_model
         return engine
 
+    def _activation_checkpointing(self, cfg: Config) -> Config:
+        """`activation_checkpointing=True` (`gradient_checkpointing`) becomes fsdpx's
+        activation checkpointing of the blocks, applied before sharding; transformers' own,
+        which Trainer.train() switches on, is switched off again (_hf_checkpointing_off)."""
+        if not getattr(self.args, "activation_checkpointing", False):
+            return cfg
+        kwargs = dict(getattr(self.args, "activation_checkpointing_kwargs", None) or {})
+        every = int(kwargs.pop("every_n_layers", 1))
+        if kwargs.pop("offload", False) or kwargs:
+            raise ValueError(
+                f"activation_checkpointing_kwargs {self.args.activation_checkpointing_kwargs} "
+                "cannot be honoured by fsdpx's activation checkpointing (it takes "
+                "every_n_layers only); drop the other keys"
+            )
+        wanted = ActivationCheckpointConfig(
+            mode="full" if every == 1 else "every_n", every_n=every if every > 1 else 2
+        )
+        if cfg.activation_checkpointing.mode not in ("none", wanted.mode):
+            raise ValueError(
+                f"{self._fsdpx_source.name}: activation_checkpointing.mode="
+                f"{cfg.activation_checkpointing.mode!r} in the config, but the arguments ask "
+                f"for {wanted.mode!r} (activation_checkpointing=True, every_n_layers={every}); "
+                "set one of them"
+            )
+        self._hf_checkpointing_off()
+        return dataclasses.replace(cfg, activation_checkpointing=wanted)
+
+    def _hf_checkpointing_off(self) -> None:
+        if getattr(self.args, "activation_checkpointing", False):
+            model = self._hf_model
+            off = getattr(model, "activation_checkpointing_disable", None) or getattr(
+                model, "gradient_checkpointing_disable", None
+            )
+            if callable(off):
+                off()
+
     def _eval_max_steps(self) -> int | None:
         if self.args.max_steps > 0:
             return int(self.args.max_steps)
@@ -218,6 +260,7 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
     ) -> tuple[nn.Module, Any]:
         self._ensure_engine(max_steps)
+        self._hf_checkpointing_off()  # every train() switches transformers' on again
         # Accelerate must not wrap the sharded model (evaluation_loop prepares a model
         # the accelerator does not know yet); free_memory() at train start forgets it.
         if self._hf_model not in self.accelerator._models:
