@@ -5,9 +5,10 @@ N bytes of JSON (name -> dtype, shape, data_offsets relative to the end of the h
 then the raw little-endian tensor bytes, row-major. A rank's shard of a tensor is a
 rectangle of the global tensor (a set of index runs per dimension, see local_slices.py);
 each maximal row-major run of it is one `os.pread` of exactly its bytes into the shard's
-buffer. Nothing is memory-mapped: a mapped file counts towards the RSS of every process
-that touches its pages, and torch's `safe_open` reads whole tensors. `bytes_read` counts
-every byte read, the header included, so tests can prove a rank read only its share.
+buffer. Nothing is memory-mapped (safetensors' own `safe_open` maps the file): mapped
+pages count towards the RSS of every process that touches them and stay cached in it.
+`bytes_read` counts every byte read, the header included, so tests can prove a rank read
+only its share.
 
 The header is checked before any tensor byte is read, and a lie is an error naming the
 file and the tensor: a declared header length beyond the file or above 100 MB, a dtype
@@ -65,7 +66,8 @@ class SafetensorsFile:
     Example::
 
         with SafetensorsFile("model.safetensors") as f:
-            w = f.read_runs("lm_head.weight", [(0, 4096)], out)  # see read_into
+            out = torch.empty(2, 4096, dtype=f.tensors["lm_head.weight"].dtype)
+            f.read_into("lm_head.weight", out, [(0, 2 * 4096)])  # its first two rows
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
