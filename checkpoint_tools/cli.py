@@ -8,6 +8,7 @@ corrupt, invalid), 2 bad command-line usage.
     fsdpx-ckpt verify ckpt/global_step100
     fsdpx-ckpt consolidate ckpt/ out/ --dtype bf16 --max-shard-size 5GB
     fsdpx-ckpt consolidate ckpt/ model.pt          # torch.save state dict
+    fsdpx-ckpt consolidate run/checkpoint-40/fsdpx out/ --hf-config run/checkpoint-40
     fsdpx-ckpt import-deepspeed ds_ckpt/ ckpt/     # DeepSpeed ZeRO/universal -> fsdpx
 """
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from checkpoint_tools.consolidate import CASTS, consolidate, select
 from checkpoint_tools.format import CheckpointError, CheckpointReader, DeepSpeedCheckpointError
@@ -80,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
         "--optimizer",
         action="store_true",
         help="include optimizer state tensors (optim/<fqn>/<key>)",
+    )
+    c.add_argument(
+        "--hf-config",
+        metavar="DIR",
+        default=None,
+        help="Hugging Face layout: also copy config.json (and generation_config.json when "
+        "present) from DIR, e.g. the checkpoint-N folder of an fsdpx.hf.Trainer run",
     )
     i = sub.add_parser("inspect", help="list tensors, shapes, dtypes, sizes, compression, layout")
     i.add_argument("checkpoint")
@@ -170,7 +180,23 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hf_config_files(args: argparse.Namespace) -> list[Path]:
+    """The config files --hf-config copies, checked before anything is written."""
+    if args.hf_config is None:
+        return []
+    if args.optimizer or args.to == "torch" or Path(args.out).suffix:
+        raise ValueError(
+            "--hf-config writes a Hugging Face model directory: OUT must be a directory "
+            "(no suffix), safetensors, without --optimizer"
+        )
+    src = Path(args.hf_config)
+    if not (src / "config.json").is_file():
+        raise ValueError(f"--hf-config {src}: no config.json there (expected a model directory)")
+    return [p for p in (src / "config.json", src / "generation_config.json") if p.is_file()]
+
+
 def _consolidate(args: argparse.Namespace) -> int:
+    configs = _hf_config_files(args)
     target = resolve_checkpoint(args.checkpoint)
     with CheckpointReader(target) as reader:
         cast = CASTS[args.dtype] if args.dtype else None
@@ -187,6 +213,10 @@ def _consolidate(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_size,
             progress=bar.update,
         )
+    for config in configs:
+        copied = Path(args.out) / config.name
+        shutil.copyfile(config, copied)
+        paths.append(copied)
     for path in paths:
         print(path)
     return 0

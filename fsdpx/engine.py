@@ -347,6 +347,29 @@ class Engine:
             max_shard_bytes=max_shard_bytes,
         )
 
+    @guarded
+    def save_pretrained(
+        self,
+        save_directory: str | Path,
+        *,
+        dtype: str | None = None,
+        max_shard_bytes: int = 5 * 2**30,
+    ) -> list[Path]:
+        """Write a Hugging Face model in Hugging Face layout (config.json,
+        generation_config.json, safetensors shards + index) that plain transformers'
+        `from_pretrained` loads; one tensor gathered at a time. Every rank calls it. Needs
+        `pip install fsdpx[hf]` (`fsdpx.hf.save_pretrained`)."""
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                "save_pretrained under pipeline parallelism: each stage holds part of the "
+                "model; use save_checkpoint, then `fsdpx-ckpt consolidate --hf-config DIR`"
+            )
+        from fsdpx.hf.saving import save_pretrained  # the hf extra, only when asked for
+
+        return save_pretrained(
+            self.module, save_directory, dtype=dtype, max_shard_bytes=max_shard_bytes
+        )
+
     # --- checkpoints (fsdpx/checkpoint; format: checkpoint_tools/FORMAT.md) ---------------
 
     _COUNTERS = ("global_steps", "micro_steps", "skipped_steps")

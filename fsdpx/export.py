@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import BinaryIO
 
@@ -62,6 +63,7 @@ def save_full_model(
     *,
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    exclude: Collection[str] = (),
 ) -> list[Path]:
     """Write `module`'s full state dict as safetensors under `out_dir`. Every rank calls it.
 
@@ -77,6 +79,8 @@ def save_full_model(
         max_shard_bytes: largest file size before the export is split into
             `model-00001-of-0000N.safetensors` files plus `model.safetensors.index.json`.
             A single tensor larger than this gets a file of its own.
+        exclude: state-dict keys not to write (fsdpx.hf drops the second name of a tied
+            weight, as transformers' save_pretrained does).
     Returns:
         The paths written (the safetensors files in order, then the index when sharded),
         the same list on every rank. Files are complete when the call returns on any rank.
@@ -102,7 +106,7 @@ def save_full_model(
 
     # state_dict() (not named_parameters) so FSDP's pre-save hook reshards parameters to
     # DTensors and the keys are the unsharded module's keys, buffers included.
-    state = module.state_dict()
+    state = {k: v for k, v in module.state_dict().items() if k not in exclude}
     entries = [_entry(name, value, cast) for name, value in state.items()]
     files = plan_files(entries, max_shard_bytes)
     paths = [out / file_name for file_name, _ in files]

@@ -1,0 +1,348 @@
+"""`fsdpx.hf.Trainer`: `transformers.Trainer` with fsdpx as the engine.
+
+A stock Trainer script ports by changing the import and adding one argument::
+
+    from fsdpx.hf import Trainer           # was: from transformers import Trainer
+    trainer = Trainer(model=model, args=args, train_dataset=ds, fsdpx_config="ds_config.json")
+
+[Note: Trainer on fsdpx] transformers has no extension point for a third-party engine, so
+this subclass replaces the few places where the Trainer builds or drives one, and keeps
+everything else (data loaders, loss and its normalisation over tokens and accumulation,
+logging, callbacks, evaluation, `trainer_state.json`, checkpoint rotation):
+
+- `_prepare_for_training` shards the model with `fsdpx.shard` (once, at the first
+  `train()`, or at the first evaluation when that comes first) instead of
+  `accelerator.prepare`. The optimizer is the config's when it names one, else the one
+  `TrainingArguments.optim` names, over the Trainer's weight-decay groups. The scheduler is
+  the config's when it has one, else the one the Trainer builds from `lr_scheduler_type`
+  (on the engine's optimizer).
+- The engine steps: `accelerator.backward` is the engine's backward (the Trainer has
+  already divided the loss for accumulation and token counts), with the accumulation
+  boundary the Trainer's loop sets; `optimizer.step()` is `engine.step()` (unscale, skip
+  on fp16 overflow, clip, optimizer, scheduler), so `self.optimizer` is a view whose
+  `step` does that and `self.lr_scheduler` a view whose `step` does nothing (the engine
+  stepped it, and did not on a skipped step, as DeepSpeed). The gradient norm the Trainer
+  logs is the engine's, filled in at the step.
+- Checkpoints: `checkpoint-N/` holds the model in Hugging Face layout (`save_model`), the
+  fsdpx checkpoint in `checkpoint-N/fsdpx/` (model, optimizer, scheduler, loss scaler,
+  every rank's RNG, the TrainingArguments as JSON; no pickle, DESIGN.md clarification 14)
+  and the Trainer's own `trainer_state.json`. Resuming loads the fsdpx checkpoint (any
+  world size) and re-applies its RNG state where the Trainer restores RNG.
+
+`activation_checkpointing=True` (the former `gradient_checkpointing`) is fsdpx's
+activation checkpointing of the model's blocks (every `every_n_layers`-th), not
+transformers' own.
+
+Data loaders split batches over every rank, so the mesh must be data-parallel only
+(ZeRO 0-3, HSDP): tensor / pipeline parallel meshes are refused here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+import fsdpx
+from fsdpx.checkpoint.state import rng_state, set_rng_state
+from fsdpx.config import ActivationCheckpointConfig, Config
+from fsdpx.engine import Engine
+from fsdpx.hf.trainer_config import check_native, fill_deepspeed, resolve_source
+
+__all__ = ["Trainer"]
+
+FSDPX_DIR = "fsdpx"
+"""The fsdpx checkpoint's folder inside the Trainer's checkpoint-N folder."""
+
+
+class _EngineOptimizer:
+    """`trainer.optimizer`: the engine's optimizer, whose `step()` is `engine.step()`."""
+
+    def __init__(self, trainer: Trainer, engine: Engine) -> None:
+        self._trainer = trainer
+        self._engine = engine
+        self.step_was_skipped = False  # read by accelerate's optimizer_step_was_skipped
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("fsdpx.hf.Trainer's optimizer step takes no closure")
+        result = self._engine.step()
+        if result is None:  # the Trainer steps only at its boundaries; the engine agrees
+            raise RuntimeError("engine.step() was not at an accumulation boundary")
+        self.step_was_skipped = result.skipped
+        slot = self._trainer._grad_norm_slot
+        if slot is not None:
+            slot.fill_(math.nan if result.grad_norm is None else result.grad_norm)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine.optimizer, name)
+
+
+class _EngineSteppedScheduler:
+    """`trainer.lr_scheduler`: the engine's scheduler; `step()` is a no-op because
+    `engine.step()` already stepped it ([Note: Trainer on fsdpx])."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+
+class Trainer(transformers.Trainer):  # type: ignore[misc]
+    """`transformers.Trainer` on fsdpx. Takes everything `Trainer` takes plus
+    `fsdpx_config=`: an `fsdpx.Config`, a dict, or a path to a native config or to a
+    DeepSpeed JSON (the file `--deepspeed` takes; "auto" values are filled from the
+    TrainingArguments as transformers' DeepSpeed integration does). None: `Config()`
+    (ZeRO-3) with the arguments' batch size, accumulation and clipping.
+
+    Example::
+
+        trainer = fsdpx.hf.Trainer(model=model, args=args, train_dataset=ds,
+                                   fsdpx_config="ds_config.json")
+        trainer.train()
+        trainer.save_model("out")      # Hugging Face layout; AutoModel.from_pretrained loads it
+    """
+
+    def __init__(self, *args: Any, fsdpx_config: Any = None, **kwargs: Any) -> None:
+        source = resolve_source(fsdpx_config)
+        super().__init__(*args, **kwargs)
+        self._fsdpx_source = source
+        self.engine: Engine | None = None
+        self._grad_norm_slot: torch.Tensor | None = None
+        self._rng_after_load: dict[str, Any] | None = None
+        if self.args.lr_scheduler_type == "reduce_lr_on_plateau" and not source.has_scheduler:
+            raise ValueError(
+                "lr_scheduler_type='reduce_lr_on_plateau' steps on evaluation metrics, which "
+                "fsdpx's engine does not see; use another lr_scheduler_type or a scheduler "
+                "section in fsdpx_config"
+            )
+        # Everything about the config that can be wrong is found now, before any sharding.
+        self._fsdpx_config(max_steps=None)
+        self.accelerator.backward = self._engine_backward
+
+    @property
+    def _hf_model(self) -> Any:
+        if self.model is None:
+            raise ValueError("fsdpx.hf.Trainer needs model= (or model_init=)")
+        return self.model
+
+    # --- the config ---------------------------------------------------------------------
+
+    def _fsdpx_config(self, max_steps: int | None) -> Config:
+        source, world = self._fsdpx_source, self.args.world_size
+        if source.native is None and source.deepspeed is None:
+            cfg = Config.from_dict(
+                {
+                    "train_micro_batch_size_per_gpu": self.args.per_device_train_batch_size,
+                    "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                    "gradient_clipping": float(self.args.max_grad_norm),
+                }
+            )
+        elif source.native is None:
+            assert source.deepspeed is not None
+            data = fill_deepspeed(source.deepspeed, self.args, world, max_steps, source.name)
+            sched = data.get("scheduler", {}).get("params", {})
+            if max_steps is None:  # validating before the step count is known
+                warmup = sched.get("warmup_num_steps")
+                if warmup == "auto":
+                    sched["warmup_num_steps"] = warmup = 0
+                if sched.get("total_num_steps") == "auto":
+                    sched["total_num_steps"] = int(warmup or 0) + 1
+            cfg = Config.from_deepspeed(data, world_size=world)
+        else:
+            cfg = source.native
+            check_native(cfg, self.args, source.name)
+        if cfg.mesh.tp > 1 or cfg.mesh.pp > 1:
+            raise NotImplementedError(
+                f"{source.name}: fsdpx.hf.Trainer runs data-parallel meshes only (ZeRO 0-3, "
+                f"HSDP); got mesh.tp={cfg.mesh.tp}, mesh.pp={cfg.mesh.pp}. The Trainer's data "
+                "loader splits batches over every rank; use fsdpx.shard with your own loop "
+                "for tensor or pipeline parallelism"
+            )
+        return cfg
+
+    # --- sharding ------------------------------------------------------------------------
+
+    def _ensure_engine(self, max_steps: int | None) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        cfg = self._fsdpx_config(max_steps)
+        source = self._fsdpx_source
+        model = self._hf_model
+        kwargs: dict[str, Any] = {}
+        if not source.has_optimizer:
+            decay = set(self.get_decay_parameter_names(model))
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            kwargs["param_groups"] = [
+                {
+                    "params": [p for n, p in named if n in decay],
+                    "weight_decay": self.args.weight_decay,
+                },
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            opt_cls, opt_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            kwargs["optimizer"] = lambda groups: opt_cls(groups, **opt_kwargs)
+        cfg = self._activation_checkpointing(cfg)
+        engine = fsdpx.shard(model, cfg, **kwargs)
+        if not source.has_scheduler:
+            if max_steps is None:
+                raise ValueError(
+                    "fsdpx.hf.Trainer shards the model at the first train() or evaluation; "
+                    "evaluating first needs train_dataset or args.max_steps to size the "
+                    "Trainer's learning-rate schedule"
+                )
+            self.lr_scheduler = None
+            engine.lr_scheduler = self.create_scheduler(max_steps, optimizer=engine.optimizer)
+        self.lr_scheduler = _EngineSteppedScheduler(engine.lr_scheduler)  # type: ignore[assignment]
+        self._created_lr_scheduler = False
+        self.optimizer = _EngineOptimizer(self, engine)  # type: ignore[assignment]
+        self.engine = engine
+        self.model_wrapped = self._hf_model
+        return engine
+
+    def _activation_checkpointing(self, cfg: Config) -> Config:
+        """`activation_checkpointing=True` (`gradient_checkpointing`) becomes fsdpx's
+        activation checkpointing of the blocks, applied before sharding; transformers' own,
+        which Trainer.train() switches on, is switched off again (_hf_checkpointing_off)."""
+        if not getattr(self.args, "activation_checkpointing", False):
+            return cfg
+        kwargs = dict(getattr(self.args, "activation_checkpointing_kwargs", None) or {})
+        every = int(kwargs.pop("every_n_layers", 1))
+        if kwargs.pop("offload", False) or kwargs:
+            raise ValueError(
+                f"activation_checkpointing_kwargs {self.args.activation_checkpointing_kwargs} "
+                "cannot be honoured by fsdpx's activation checkpointing (it takes "
+                "every_n_layers only); drop the other keys"
+            )
+        wanted = ActivationCheckpointConfig(
+            mode="full" if every == 1 else "every_n", every_n=every if every > 1 else 2
+        )
+        if cfg.activation_checkpointing.mode not in ("none", wanted.mode):
+            raise ValueError(
+                f"{self._fsdpx_source.name}: activation_checkpointing.mode="
+                f"{cfg.activation_checkpointing.mode!r} in the config, but the arguments ask "
+                f"for {wanted.mode!r} (activation_checkpointing=True, every_n_layers={every}); "
+                "set one of them"
+            )
+        self._hf_checkpointing_off()
+        return dataclasses.replace(cfg, activation_checkpointing=wanted)
+
+    def _hf_checkpointing_off(self) -> None:
+        if getattr(self.args, "activation_checkpointing", False):
+            model = self._hf_model
+            off = getattr(model, "activation_checkpointing_disable", None) or getattr(
+                model, "gradient_checkpointing_disable", None
+            )
+            if callable(off):
+                off()
+
+    def _eval_max_steps(self) -> int | None:
+        if self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        if self.train_dataset is None:
+            return None
+        return int(self.set_initial_training_values(self.args, self.get_train_dataloader())[-1])
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+    ) -> tuple[nn.Module, Any]:
+        self._ensure_engine(max_steps)
+        self._hf_checkpointing_off()  # every train() switches transformers' on again
+        # Accelerate must not wrap the sharded model (evaluation_loop prepares a model
+        # the accelerator does not know yet); free_memory() at train start forgets it.
+        if self._hf_model not in self.accelerator._models:
+            self.accelerator._models.append(self._hf_model)
+        self.accelerator._optimizers[:] = [self.optimizer]
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self._hf_model, train_dataloader
+
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> nn.Module:
+        if self.engine is None:
+            self._ensure_engine(self._eval_max_steps())
+            self.accelerator._models.append(self._hf_model)
+        return self._hf_model
+
+    # --- the step ------------------------------------------------------------------------
+
+    def _engine_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if kwargs:
+            raise ValueError(f"fsdpx.hf.Trainer's backward takes no {sorted(kwargs)}")
+        assert self.engine is not None
+        # The Trainer's loop decides the boundary (an epoch's last, shorter window too).
+        self.engine._boundary_override = bool(self.accelerator.gradient_state.sync_gradients)
+        # The Trainer already divided the loss for accumulation / token counts.
+        self.engine.backward(loss, divide_by_accumulation=False)
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        # The engine clips inside engine.step(); the norm is written into this slot there
+        # and read by the Trainer when it logs (after the step).
+        self._grad_norm_slot = torch.full((), math.nan)
+        return self._grad_norm_slot
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        return grad_norm  # None when clipping is off: the engine computes no norm then
+
+    # --- saving and loading --------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model in Hugging Face layout (every rank takes part; rank 0 writes)."""
+        out = str(output_dir if output_dir is not None else self.args.output_dir)
+        if self.engine is not None:
+            self.engine.save_pretrained(out)
+        elif self.args.should_save:
+            self._hf_model.save_pretrained(out)
+        if self.processing_class is not None and self.args.should_save:
+            self.processing_class.save_pretrained(out)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        assert self.engine is not None
+        args = json.loads(self.args.to_json_string())
+        self.engine.save_checkpoint(
+            Path(output_dir) / FSDPX_DIR, client_state={"training_args": args}
+        )
+
+    def _save_scaler(self, output_dir: str) -> None:
+        return None  # the loss scaler is in the fsdpx checkpoint
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        return None  # every rank's RNG states are in the fsdpx checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        return None  # the fsdpx checkpoint restores the model once it is sharded
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        assert self.engine is not None
+        folder = Path(checkpoint) / FSDPX_DIR
+        # A checkpoint-N without fsdpx state: load_checkpoint names what is there
+        # (DeepSpeed's folders raise its DeepSpeedCheckpointError).
+        self.engine.load_checkpoint(folder if folder.is_dir() else checkpoint)
+        self._rng_after_load = rng_state()
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        return None
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # The Trainer restores RNG after skipping the batches already trained on.
+        if checkpoint is not None and self._rng_after_load is not None:
+            set_rng_state(self._rng_after_load)

@@ -1,0 +1,183 @@
+"""Rank bodies for the fsdpx.hf.Trainer tests: the same script with the stock
+transformers Trainer (one process) and fsdpx.hf.Trainer (2 ranks), same global batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.hf_bodies import VOCAB, tiny_llama
+
+GLOBAL_BATCH = 4  # per micro-step, over all ranks
+SEQ = 16
+
+
+class PatternData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Random tokens where every other token is the previous one + 1 (learnable)."""
+
+    def __init__(self, n: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        x[:, 1::2] = (x[:, 0::2] + 1) % VOCAB
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def training_args(out: str, world: int, **kw: Any) -> Any:
+    from transformers import TrainingArguments
+
+    base: dict[str, Any] = dict(
+        output_dir=out,
+        per_device_train_batch_size=GLOBAL_BATCH // world,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        weight_decay=0.01,
+        max_grad_norm=0.1,  # small enough that every step clips
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        optim="adamw_torch",
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        per_device_eval_batch_size=8,  # 16 eval samples: 2 batches on 1 rank, 1 per rank on 2
+    )
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+PARITY_CASES: list[dict[str, Any]] = [
+    {
+        "name": "zero2-linear-trainer-optimizer",
+        "args": {"lr_scheduler_type": "linear"},
+        "ds": {
+            "zero_optimization": {"stage": 2},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+        },
+    },
+    {
+        "name": "zero3-cosine-config-adamw",
+        "args": {"lr_scheduler_type": "cosine", "weight_decay": 0.0},
+        "ds": {
+            "zero_optimization": {"stage": 3},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+            },
+        },
+    },
+]
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = full.detach().clone()
+    return out
+
+
+def stock_reference(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]]:
+    """Plain transformers.Trainer, one process, each parity case."""
+    from transformers import Trainer
+
+    results = []
+    for case in PARITY_CASES:
+        model = tiny_llama().train()
+        args = training_args(str(Path(tmp) / case["name"]), 1, **case["args"])
+        trainer = Trainer(model=model, args=args, train_dataset=PatternData())
+        trainer.train()
+        eval_loss = trainer.evaluate(PatternData(16, seed=1))["eval_loss"]
+        results.append(
+            {"losses": _losses(trainer), "params": _full_params(model), "eval_loss": eval_loss}
+        )
+    return results
+
+
+def fsdpx_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """fsdpx.hf.Trainer on the ranks: each parity case, then an uninterrupted run that
+    saves checkpoints every 2 steps with save_total_limit=2."""
+    from fsdpx.hf import Trainer
+
+    parity = []
+    for case in PARITY_CASES:
+        model = tiny_llama().train()
+        args = training_args(str(Path(tmp) / case["name"]), world_size, **case["args"])
+        trainer = Trainer(
+            model=model, args=args, train_dataset=PatternData(), fsdpx_config=case["ds"]
+        )
+        trainer.train()
+        grad_norms = [h.get("grad_norm") for h in trainer.state.log_history if "loss" in h]
+        eval_loss = trainer.evaluate(PatternData(16, seed=1))["eval_loss"]
+        parity.append(
+            {
+                "losses": _losses(trainer),
+                "params": _full_params(model),
+                "grad_norms": grad_norms,
+                "eval_loss": eval_loss,
+            }
+        )
+        trainer.engine.close()
+    full = _resume_run(Path(tmp) / "resume", world_size, resume=False)
+    return {"parity": parity, "uninterrupted": full, "checkpointed": _checkpointed_run(tmp)}
+
+
+def _checkpointed_run(tmp: str) -> dict[str, Any]:
+    """The first parity case with activation_checkpointing=True: fsdpx's checkpointing of
+    the blocks, transformers' switched off; the same numbers."""
+    from fsdpx.hf import Trainer
+
+    case = PARITY_CASES[0]
+    model = tiny_llama().train()
+    args = training_args(str(Path(tmp) / "ac"), 2, activation_checkpointing=True, **case["args"])
+    trainer = Trainer(model=model, args=args, train_dataset=PatternData(), fsdpx_config=case["ds"])
+    trainer.train()
+    from torch.distributed._composable.contract import _get_registry
+
+    # fsdpx applies torch's composable checkpoint (hooks, no wrapper module) to the blocks.
+    wrapped = any("checkpoint" in (_get_registry(m) or {}) for m in model.modules())
+    return {
+        "losses": _losses(trainer),
+        "params": _full_params(model),
+        "fsdpx_ac": wrapped,
+        "hf_ac": model.is_activation_checkpointing,
+    }
+
+
+def _resume_run(out: Path, world_size: int, *, resume: bool) -> dict[str, Any]:
+    from fsdpx.hf import Trainer
+
+    args = training_args(
+        str(out), world_size, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=2
+    )
+    ds = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
+    trainer = Trainer(
+        model=tiny_llama().train(), args=args, train_dataset=PatternData(), fsdpx_config=ds
+    )
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return {"log": [h for h in trainer.state.log_history if "loss" in h]}
+
+
+def fsdpx_resume(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Fresh processes: resume the run of fsdpx_runs from its newest checkpoint-N."""
+    return _resume_run(Path(tmp) / "resume", world_size, resume=True)

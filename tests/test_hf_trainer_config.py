@@ -1,0 +1,131 @@
+"""fsdpx_config= for fsdpx.hf.Trainer: DeepSpeed JSON vs native, "auto" values from the
+TrainingArguments, and the errors for conflicting values (in-process, no Trainer: the
+arguments are a stand-in with the fields the fill reads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fsdpx.config import Config
+from fsdpx.hf.trainer_config import check_native, fill_deepspeed, resolve_source
+
+
+def _args(**kw: Any) -> SimpleNamespace:
+    base: dict[str, Any] = dict(
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        learning_rate=5e-5,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.01,
+        fp16=False,
+        fp16_full_eval=False,
+        bf16=False,
+        bf16_full_eval=False,
+    )
+    base.update(kw)
+    ns = SimpleNamespace(**base)
+    ns.get_warmup_steps = lambda n: 10  # noqa: ARG005 - TrainingArguments' method
+    return ns
+
+
+HF_ZERO3 = {
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def test_the_transformers_docs_zero3_file_fills_from_the_arguments(tmp_path: Path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    source = resolve_source(path)
+    assert source.deepspeed is not None and source.has_optimizer and source.has_scheduler
+    data = fill_deepspeed(source.deepspeed, _args(bf16=True), 2, 100, source.name)
+    cfg = Config.from_deepspeed(data, world_size=2)
+    assert cfg.train_micro_batch_size_per_gpu == 8 and cfg.gradient_accumulation_steps == 2
+    assert cfg.gradient_clipping == 1.0 and cfg.zero.stage == 3
+    assert cfg.optimizer.lr == 5e-5 and cfg.optimizer.weight_decay == 0.01
+    assert cfg.scheduler.warmup_num_steps == 10 and cfg.scheduler.total_num_steps == 100
+    assert cfg.precision.param_dtype == "bf16"
+
+
+def test_conflicting_values_name_both_sides() -> None:
+    data = dict(HF_ZERO3, train_micro_batch_size_per_gpu=4, gradient_clipping=0.5)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)mismatch TrainingArguments values:\n"
+        r"- ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=8\n"
+        r"- ds gradient_clipping=0.5 vs hf max_grad_norm=1.0\n.*set these DeepSpeed config "
+        r"values to 'auto'",
+    ):
+        fill_deepspeed(data, _args(), 2, 100, "<dict>")
+
+
+def test_bf16_argument_with_a_config_that_has_no_bf16_is_a_mismatch() -> None:
+    with pytest.raises(
+        ValueError, match=r"- ds bf16 absent \(fp32\) vs hf bf16\|bf16_full_eval=True"
+    ):
+        fill_deepspeed({"zero_optimization": {"stage": 2}}, _args(bf16=True), 1, 10, "<dict>")
+
+
+def test_refused_deepspeed_keys_give_from_deepspeeds_error() -> None:
+    data = fill_deepspeed(
+        {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb", "params": {}}},
+        _args(),
+        1,
+        10,
+        "<dict>",
+    )
+    with pytest.raises(ValueError, match=r"optimizer\.type"):
+        Config.from_deepspeed(data, world_size=1)
+
+
+def test_native_or_deepspeed_or_neither() -> None:
+    assert resolve_source({"zero": {"stage": 2}}).native is not None
+    assert resolve_source({"zero_optimization": {"stage": 2}}).deepspeed is not None
+    assert resolve_source({"optimizer": {"type": "adamw", "params": {}}}).deepspeed is not None
+    default = resolve_source(None)
+    assert default.native is None and default.deepspeed is None and not default.has_optimizer
+    with pytest.raises(ValueError, match=r"neither.*Config\.from_deepspeed.*Config\.from_file"):
+        resolve_source({"zeroo": {}})
+
+
+def test_a_native_config_must_agree_with_the_arguments() -> None:
+    cfg = Config.from_dict({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    with pytest.raises(
+        ValueError,
+        match=r"- fsdpx train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=8\n"
+        r"- fsdpx gradient_clipping=0.0 vs hf max_grad_norm=1.0",
+    ):
+        check_native(cfg, _args(), "<Config>")
