@@ -64,7 +64,7 @@ class StepPhases:
         """The event recorded last: once it completed, every pair can be read."""
         return self.events[-1][2] if self.events else None
 
-    def resolve(self) -> list[float | None]:
+    def seconds_per_phase(self) -> list[float | None]:
         """Seconds per phase, the CUDA pairs added in (call once `last_event` completed)."""
         out = list(self.seconds)
         for phase, start, end in self.events:

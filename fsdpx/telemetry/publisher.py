@@ -589,5 +589,5 @@ class Publisher:
             run_id=self.run.run_id,
             job=self.run.job,
         )
-        record.update(zip(PHASE_FIELDS, phases.resolve(), strict=True))
+        record.update(zip(PHASE_FIELDS, phases.seconds_per_phase(), strict=True))
         return record
