@@ -176,9 +176,10 @@ class LossScaleConfig:
 class OptimizerConfig:
     """The optimizer built when `fsdpx.shard` is called with optimizer=None."""
 
-    type: Literal["adamw", "adam", "sgd", "onebit_adam"] = "adamw"
+    type: Literal["adamw", "adam", "sgd", "onebit_adam", "lamb"] = "adamw"
     """Which optimizer to build: a row of fsdpx.optimizers.OPTIMIZERS (the keys it reads);
-    onebit_adam is fsdpx.onebit_adam.OneBitAdam (1-bit compressed exchange, ZeRO stage 0)."""
+    onebit_adam is fsdpx.onebit_adam.OneBitAdam (1-bit compressed exchange, ZeRO stage 0);
+    lamb is fsdpx.lamb.Lamb (DeepSpeed's Lamb: Adam with a per-tensor trust ratio)."""
     lr: float = 1e-3
     """Learning rate (the peak lr of a schedule whose max lr is left unset)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -197,6 +198,12 @@ class OptimizerConfig:
     ``bias_correction=False``: step size lr, denominator sqrt(v) + eps). torch.optim has no
     such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead. onebit_adam: false uses m and
     the frozen v as they are (what DeepSpeed's OnebitAdam did whatever its flag said)."""
+    max_coeff: float = 10.0
+    """lamb only: upper clamp of the trust ratio ||p|| / ||update|| (DeepSpeed's default)."""
+    min_coeff: float = 0.01
+    """lamb only: lower clamp of the trust ratio (DeepSpeed's default)."""
+    eps_inside_sqrt: bool = False
+    """lamb only: add eps under the square root, sqrt(v + eps) (DeepSpeed's eps_inside_sqrt)."""
 
     def __post_init__(self) -> None:
         _check_unused(self, "optimizer", "type", OPTIMIZER_KEYS[self.type])
@@ -210,6 +217,12 @@ class OptimizerConfig:
         _check(self.eps >= 0, "optimizer.eps", self.eps, ">= 0")
         _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
         _check(self.momentum >= 0, "optimizer.momentum", self.momentum, ">= 0")
+        _check(
+            0 < self.min_coeff <= self.max_coeff,
+            "optimizer.min_coeff/max_coeff",
+            (self.min_coeff, self.max_coeff),
+            "0 < min_coeff <= max_coeff",
+        )
 
 
 SCHEDULER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(

@@ -100,6 +100,22 @@ def _build_onebit_adam(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.op
     )
 
 
+def _build_lamb(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from fsdpx.lamb import Lamb
+
+    return Lamb(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        bias_correction=cfg.bias_correction,
+        max_coeff=cfg.max_coeff,
+        min_coeff=cfg.min_coeff,
+        eps_inside_sqrt=cfg.eps_inside_sqrt,
+    )
+
+
 def _adam_state_bytes(cfg: OptimizerConfig, local_bytes: int, tensors: int) -> int:
     return 2 * local_bytes + _FP32 * tensors  # exp_avg, exp_avg_sq; fp32 `step` per tensor
 
@@ -143,6 +159,13 @@ OPTIMIZERS: Mapping[str, OptimizerSpec] = types.MappingProxyType(
             # optimizer state: fsdpx/onebit_adam.py).
             state_bytes=_adam_state_bytes,
             deepspeed_types=("onebitadam",),
+            decoupled_weight_decay=None,
+        ),
+        "lamb": OptimizerSpec(
+            keys=_ADAM_KEYS | {"max_coeff", "min_coeff", "eps_inside_sqrt"},
+            build=_build_lamb,
+            state_bytes=_adam_state_bytes,  # exp_avg, exp_avg_sq and step, as Adam's
+            deepspeed_types=("lamb",),
             decoupled_weight_decay=None,
         ),
     }

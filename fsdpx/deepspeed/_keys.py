@@ -118,14 +118,13 @@ _ONEBIT_UNBUILT_PARAMS = (
     "var_update_scaler",
     "local_step_scaler",
     "local_step_clipper",
-    "max_coeff",
-    "min_coeff",
     "coeff_beta",
     "factor_max",
     "factor_min",
     "factor_threshold",
 )
-"""0/1 Adam's (var_*, local_step_*) and 1-bit Lamb's (coeff, factor) parameters."""
+"""0/1 Adam's (var_*, local_step_*) and 1-bit Lamb's (coeff_beta, factor_*) parameters
+(max_coeff and min_coeff are Lamb's too, and mapped: optimizer.max_coeff / min_coeff)."""
 
 UNBUILT_OPTIMIZERS: Mapping[str, str] = types.MappingProxyType(
     {
@@ -436,7 +435,8 @@ def _table() -> dict[str, KeyRule]:
             "optimizer.type": _mapped(
                 "Adam (adam_w_mode true, DeepSpeed's default) / AdamW -> adamw; Adam with "
                 "adam_w_mode false -> adam; SGD -> sgd; OneBitAdam -> onebit_adam (ZeRO "
-                "stage 0, as in DeepSpeed); any other type (ZeroOneAdam and OneBitLamb among "
+                "stage 0, as in DeepSpeed); Lamb -> lamb (fsdpx.lamb.Lamb, DeepSpeed's FusedLamb "
+                "semantics, any ZeRO stage); any other type (ZeroOneAdam and OneBitLamb among "
                 "them) is refused (pass optimizer=callable to fsdpx.shard)"
             ),
             "optimizer.legacy_fusion": _ignored("DeepSpeed's kernel choice", INTERNAL),

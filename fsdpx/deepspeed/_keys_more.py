@@ -41,7 +41,6 @@ _OFFLOAD = "DeepSpeed's offload buffer tuning"
 # _keys.py with OneBitAdam; DeepSpeed 0.19.8 no longer ships those optimizers, but configs
 # written for earlier releases still carry the keys.
 
-_LAMB = "Lamb is not implemented yet; use optimizer type Adam/AdamW and remove the key"
 _REMOVED = "DeepSpeed 0.19.8 removed this feature too (it raises DeepSpeedConfigError)"
 _DEEPCOMPILE = "a DeepCompile option, read only with compile.deepcompile true, which fsdpx refuses"
 _NO_EP = "expert parallelism is not implemented in fsdpx's DeepSpeed translation"
@@ -261,7 +260,6 @@ def more_rules() -> dict[str, Rule]:
             "Adagrad is not built in; pass optimizer=lambda p: torch.optim.Adagrad(p, ...) "
             "to fsdpx.shard"
         ),
-        "optimizer.params.eps_inside_sqrt": _refused(_LAMB),
     }
     for name in (
         "free_activation",
