@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fsdpx.optimizers import OPTIMIZER_KEYS
+from fsdpx.optimizers import EXCHANGING_OPTIMIZERS, OPTIMIZER_KEYS
 from fsdpx.strict_parse import parse_dataclass
 
 DType = Literal["fp32", "bf16", "fp16"]
@@ -176,10 +176,14 @@ class LossScaleConfig:
 class OptimizerConfig:
     """The optimizer built when `fsdpx.shard` is called with optimizer=None."""
 
-    type: Literal["adamw", "adam", "sgd", "onebit_adam", "lamb"] = "adamw"
+    type: Literal["adamw", "adam", "sgd", "onebit_adam", "lamb", "zero_one_adam", "onebit_lamb"] = (
+        "adamw"
+    )
     """Which optimizer to build: a row of fsdpx.optimizers.OPTIMIZERS (the keys it reads);
     onebit_adam is fsdpx.onebit_adam.OneBitAdam (1-bit compressed exchange, ZeRO stage 0);
-    lamb is fsdpx.lamb.Lamb (DeepSpeed's Lamb: Adam with a per-tensor trust ratio)."""
+    lamb is fsdpx.lamb.Lamb (DeepSpeed's Lamb: Adam with a per-tensor trust ratio);
+    zero_one_adam is fsdpx.zero_one_adam.ZeroOneAdam (0/1 Adam, ZeRO stage 0); onebit_lamb is
+    fsdpx.onebit_lamb.OneBitLamb (1-bit Lamb, ZeRO stage 0)."""
     lr: float = 1e-3
     """Learning rate (the peak lr of a schedule whose max lr is left unset)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -204,6 +208,23 @@ class OptimizerConfig:
     """lamb only: lower clamp of the trust ratio (DeepSpeed's default)."""
     eps_inside_sqrt: bool = False
     """lamb only: add eps under the square root, sqrt(v + eps) (DeepSpeed's eps_inside_sqrt)."""
+    var_freeze_step: int = 100000
+    """zero_one_adam only: the last step that may update the variance (DeepSpeed's default)."""
+    var_update_scaler: int = 16
+    """zero_one_adam only: variance steps between doublings of the variance interval."""
+    local_step_scaler: int = 32678
+    """zero_one_adam only: steps between doublings of the local-step interval (DeepSpeed's
+    default)."""
+    local_step_clipper: int = 16
+    """zero_one_adam only: the largest local-step interval."""
+    coeff_beta: float = 0.9
+    """onebit_lamb only: averaging factor of the warmup trust ratios."""
+    factor_max: float = 4.0
+    """onebit_lamb only: upper clamp of the compressed-stage trust-ratio factor."""
+    factor_min: float = 0.5
+    """onebit_lamb only: lower clamp of that factor."""
+    factor_threshold: float = 0.1
+    """onebit_lamb only: the most the factor may change from one step to the next (relative)."""
 
     def __post_init__(self) -> None:
         _check_unused(self, "optimizer", "type", OPTIMIZER_KEYS[self.type])
@@ -594,7 +615,7 @@ class Config:
             ">= 0 (0 disables clipping)",
         )
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "> 0 seconds")
-        if self.optimizer.type == "onebit_adam":
+        if self.optimizer.type in EXCHANGING_OPTIMIZERS:
             _check_onebit(self)
 
     @classmethod
@@ -668,12 +689,27 @@ class Config:
 
 
 def _check_onebit(cfg: Config) -> None:
-    """1-bit Adam needs full replicas (DeepSpeed runs it at ZeRO stage 0 only)."""
+    """1-bit Adam and 0/1 Adam need full replicas (DeepSpeed runs them at ZeRO stage 0
+    only)."""
+    o = cfg.optimizer
     _check(
-        cfg.optimizer.freeze_step >= 1,
+        o.freeze_step >= 1,
         "optimizer.freeze_step",
-        cfg.optimizer.freeze_step,
+        o.freeze_step,
         "an integer >= 1 (full-precision warmup steps)",
+    )
+    for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        _check(getattr(o, name) >= 1, f"optimizer.{name}", getattr(o, name), "an integer >= 1")
+    if o.type in ("zero_one_adam", "onebit_lamb") and o.bias_correction:
+        raise ValueError(
+            f"optimizer.type {o.type!r} has no bias correction (DeepSpeed's ZeroOneAdam and "
+            "OnebitLamb never applied it); set optimizer.bias_correction = false"
+        )
+    _check(
+        0 <= o.coeff_beta < 1 and 0 < o.factor_min <= o.factor_max and o.factor_threshold >= 0,
+        "optimizer.coeff_beta/factor_min/factor_max/factor_threshold",
+        (o.coeff_beta, o.factor_min, o.factor_max, o.factor_threshold),
+        "0 <= coeff_beta < 1, 0 < factor_min <= factor_max, factor_threshold >= 0",
     )
     found = {
         "zero.stage": (cfg.zero.stage, 0),
@@ -684,8 +720,8 @@ def _check_onebit(cfg: Config) -> None:
     for key, (value, needed) in found.items():
         if value != needed:
             raise ValueError(
-                f"optimizer.type 'onebit_adam' exchanges compressed momentum between full "
-                f"replicas (DeepSpeed runs 1-bit Adam at ZeRO stage 0 only), so it needs "
+                f"optimizer.type {o.type!r} exchanges compressed momentum between full "
+                f"replicas (DeepSpeed runs the 1-bit optimizers at ZeRO stage 0 only), so it needs "
                 f"{key} = {needed!r}; got {value!r}. Set {key} = {needed!r}, or use "
                 "optimizer.type 'adamw'"
             )

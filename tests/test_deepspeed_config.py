@@ -307,10 +307,6 @@ def test_lamb_maps_with_its_parameters() -> None:
 REFUSALS = [
     ({"optimizer": {"type": "Lion"}}, "optimizer type 'Lion' is not built into fsdpx"),
     (
-        {"optimizer": {"type": "ZeroOneAdam"}},
-        r"0/1 Adam \(ZeroOneAdam\) is not implemented in fsdpx \(1-bit Adam is: type OneBitAdam",
-    ),
-    (
         {"scheduler": {"type": "LRRangeTest"}},
         "scheduler type 'LRRangeTest' is not built into fsdpx.*pass lr_scheduler=callable",
     ),

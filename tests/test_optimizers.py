@@ -82,6 +82,8 @@ def test_deepspeed_table_reads_the_registry() -> None:
         "sgd": "sgd",
         "onebitadam": "onebit_adam",
         "lamb": "lamb",
+        "zerooneadam": "zero_one_adam",
+        "onebitlamb": "onebit_lamb",
     }
     assert set(OPTIMIZER_PARAM_KEYS) == {
         "lr",
@@ -94,6 +96,14 @@ def test_deepspeed_table_reads_the_registry() -> None:
         "max_coeff",
         "min_coeff",
         "eps_inside_sqrt",
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+        "coeff_beta",
+        "factor_max",
+        "factor_min",
+        "factor_threshold",
     }
     for key in OPTIMIZER_PARAM_KEYS:
         assert DS_KEYS[f"optimizer.params.{key}"].target == f"optimizer.{key}"

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from fsdpx.config import SCHEDULER_KEYS, Config
 from fsdpx.deepspeed._json import load_deepspeed_config
-from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES, UNBUILT_OPTIMIZERS, KeyRule
+from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES, KeyRule
 
 logger = logging.getLogger("fsdpx")
 
@@ -37,9 +37,6 @@ ABSENT = "<absent>"
 DERIVED = "<derived>"
 """The value shown for a batch key the file leaves out and the batch rule derives."""
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
-_ONEBIT = " (1-bit optimizers are not implemented yet; or use optimizer type Adam/AdamW)"
-_NOT_YET = {"onebitadam": _ONEBIT, "zerooneadam": _ONEBIT, "onebitlamb": _ONEBIT}
-"""DeepSpeed optimizer types fsdpx plans to build (lower-cased) -> what the refusal adds."""
 
 
 @dataclass(frozen=True)
@@ -259,17 +256,6 @@ class _Translator:
             return
         raw = self.leaves.get("optimizer.type")
         kind = OPTIMIZER_TYPES.get(str(raw).lower())
-        unbuilt = UNBUILT_OPTIMIZERS.get(str(raw).lower())
-        if unbuilt is not None:
-            self._row(
-                "optimizer.type",
-                raw,
-                "refused",
-                f"{unbuilt} is not implemented in fsdpx (1-bit Adam is: type OneBitAdam, "
-                "with freeze_step, at ZeRO stage 0); use OneBitAdam or Adam, or pass "
-                "optimizer=callable to fsdpx.shard and remove the optimizer block",
-            )
-            return
         if kind is None:
             self._row(
                 "optimizer.type",
@@ -277,8 +263,7 @@ class _Translator:
                 "refused",
                 f"optimizer type {raw!r} is not built into fsdpx; pass optimizer=callable to "
                 "fsdpx.shard, e.g. fsdpx.shard(model, cfg, optimizer=lambda params: "
-                "MyOptimizer(params, lr=...)), and remove the optimizer block"
-                + _NOT_YET.get(str(raw).lower(), ""),
+                "MyOptimizer(params, lr=...)), and remove the optimizer block",
             )
             return
         w_mode = self.leaves.get("optimizer.params.adam_w_mode", True)
@@ -290,6 +275,8 @@ class _Translator:
         self._map("optimizer.type", "optimizer.type", kind, note)
         if kind == "onebit_adam":
             self._onebit_bias_correction()
+        if kind in ("zero_one_adam", "onebit_lamb"):
+            self._zero_one_bias_correction(str(raw))
         if "optimizer.params.adam_w_mode" in self.leaves:
             self._row(
                 "optimizer.params.adam_w_mode", w_mode, "mapped", f"optimizer.type = {kind!r}"
@@ -307,6 +294,20 @@ class _Translator:
             value,
             " (DeepSpeed's OnebitAdam accepted bias_correction but never applied it: its "
             "updates were uncorrected, as fsdpx's are with false; fsdpx applies true)",
+        )
+
+    def _zero_one_bias_correction(self, name: str) -> None:
+        key = "optimizer.params.bias_correction"
+        value = self.leaves.get(key, True)
+        if not isinstance(value, bool):
+            self._error(key, value, "must be true or false")
+            return
+        self._map(
+            key,
+            "optimizer.bias_correction",
+            False,
+            f" (DeepSpeed's {name} accepts bias_correction ({value}) but never applies it; "
+            "fsdpx's has the same uncorrected update)",
         )
 
     def _scheduler(self) -> None:

@@ -113,28 +113,6 @@ def _offload_rules(prefix: str, target: str, extra: dict[str, KeyRule]) -> dict[
     return rules
 
 
-_ONEBIT_UNBUILT_PARAMS = (
-    "var_freeze_step",
-    "var_update_scaler",
-    "local_step_scaler",
-    "local_step_clipper",
-    "coeff_beta",
-    "factor_max",
-    "factor_min",
-    "factor_threshold",
-)
-"""0/1 Adam's (var_*, local_step_*) and 1-bit Lamb's (coeff_beta, factor_*) parameters
-(max_coeff and min_coeff are Lamb's too, and mapped: optimizer.max_coeff / min_coeff)."""
-
-UNBUILT_OPTIMIZERS: Mapping[str, str] = types.MappingProxyType(
-    {
-        "zerooneadam": "0/1 Adam (ZeroOneAdam)",
-        "onebitlamb": "1-bit Lamb (OneBitLamb)",
-    }
-)
-"""Lower-cased DeepSpeed 1-bit optimizer types fsdpx does not implement -> their names."""
-
-
 def _table() -> dict[str, KeyRule]:
     t: dict[str, KeyRule] = {
         # --- batch size and optimizer-step shape ----------------------------------------
@@ -435,9 +413,9 @@ def _table() -> dict[str, KeyRule]:
             "optimizer.type": _mapped(
                 "Adam (adam_w_mode true, DeepSpeed's default) / AdamW -> adamw; Adam with "
                 "adam_w_mode false -> adam; SGD -> sgd; OneBitAdam -> onebit_adam (ZeRO "
-                "stage 0, as in DeepSpeed); Lamb -> lamb (fsdpx.lamb.Lamb, DeepSpeed's FusedLamb "
-                "semantics, any ZeRO stage); any other type (ZeroOneAdam and OneBitLamb among "
-                "them) is refused (pass optimizer=callable to fsdpx.shard)"
+                "stage 0, as in DeepSpeed); ZeroOneAdam -> zero_one_adam and OneBitLamb -> "
+                "onebit_lamb (ZeRO stage 0); Lamb -> lamb (fsdpx.lamb.Lamb, DeepSpeed's FusedLamb "
+                "semantics, any ZeRO stage); any other type is refused (pass optimizer=callable to fsdpx.shard)"
             ),
             "optimizer.legacy_fusion": _ignored("DeepSpeed's kernel choice", INTERNAL),
             "optimizer.params": _section(),
@@ -505,11 +483,6 @@ def _table() -> dict[str, KeyRule]:
             ),
         }
     )
-    for name in _ONEBIT_UNBUILT_PARAMS:
-        t[f"optimizer.params.{name}"] = _refused(
-            "a parameter of 0/1 Adam / 1-bit Lamb, which fsdpx does not implement (see "
-            "optimizer.type); 1-bit Adam is built in: type OneBitAdam with freeze_step"
-        )
     names = sorted(set().union(*SCHEDULER_KEYS.values()))
     for name in names:
         t[f"scheduler.params.{name}"] = _mapped("", f"scheduler.{name}")
