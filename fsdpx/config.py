@@ -140,6 +140,11 @@ class PrecisionConfig:
     """Dtype of the gathered parameters used in forward/backward."""
     reduce_dtype: DType = "fp32"
     """Dtype gradients are reduced in."""
+    autocast: Literal["none", "bf16"] = "none"
+    """bf16: the engine runs forward (engine(...), train_batch, eval_batch) under
+    torch.autocast(bfloat16), which casts per op (matmuls and convolutions in bf16, reductions
+    and losses in fp32) instead of casting the parameters (DeepSpeed's ``torch_autocast``).
+    Needs param_dtype fp32 and no pipeline parallelism; backward follows autocast's casts."""
 
 
 @dataclass(frozen=True)
@@ -617,6 +622,19 @@ class Config:
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "> 0 seconds")
         if self.optimizer.type in EXCHANGING_OPTIMIZERS:
             _check_onebit(self)
+        if self.precision.autocast != "none":
+            for key, value, needed in (
+                ("precision.param_dtype", self.precision.param_dtype, "fp32"),
+                ("mesh.pp", self.mesh.pp, 1),
+            ):
+                if value != needed:
+                    raise ValueError(
+                        f"config key 'precision.autocast' = {self.precision.autocast!r} needs "
+                        f"{key} = {needed!r} (autocast casts per op: the parameters stay fp32, "
+                        f"and the pipeline schedule runs its stages outside the engine's "
+                        f"forward); got {value!r}. Set {key} = {needed!r}, or use "
+                        "precision.param_dtype 'bf16' instead of autocast"
+                    )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:

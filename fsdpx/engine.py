@@ -32,7 +32,7 @@ from fsdpx.export import save_full_model
 from fsdpx.optimizer_step import OptimizerStep, PlainStep
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner
-from fsdpx.precision import LossScaler, grads_have_overflow
+from fsdpx.precision import LossScaler, autocast_context, grads_have_overflow
 from fsdpx.telemetry.checkpoint_events import report_loaded, saved_reporter
 from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
@@ -117,7 +117,8 @@ class Engine:
 
     @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with autocast_context(self.config.precision.autocast, self.device):
+            return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the coming backward/step is the last micro-step of an optimizer step."""
@@ -252,6 +253,10 @@ class Engine:
                 m.train(mode)
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
+        with autocast_context(self.config.precision.autocast, self.device):
+            return self._loss_of_batch(batch)
+
+    def _loss_of_batch(self, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict):
             return self.module(**batch)
         inputs, targets = batch

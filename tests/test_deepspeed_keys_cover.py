@@ -91,7 +91,7 @@ def test_every_row_says_why(extracted: dict[str, Any]) -> None:
         ("hybrid_engine", "refused"),
         ("progressive_layer_drop", "refused"),
         ("zero_optimization.zenflow", "refused"),
-        ("torch_autocast", "refused"),
+        ("torch_autocast.enabled", "mapped"),
         ("optimizer.params.freeze_step", "mapped"),
         ("optimizer.params.bias_correction", "mapped"),
     ],

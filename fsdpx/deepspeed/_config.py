@@ -154,6 +154,9 @@ class _Translator:
         if fp16 and bf16:
             self._error("fp16.enabled", True, "fp16 and bf16 are both enabled; enable one")
             return
+        autocast = self._torch_autocast(fp16 or bf16)
+        if autocast is None:
+            return
         param = "fp16" if fp16 else "bf16" if bf16 else "fp32"
         comm = self.leaves.get("communication_data_type")
         reduce = param
@@ -166,10 +169,16 @@ class _Translator:
                     f"'communication_data_type' must be one of fp32, fp16, bf16; got {comm!r}",
                 )
                 return
-        self._set("precision", {"param_dtype": param, "reduce_dtype": reduce})
+        self._set("precision", {"param_dtype": param, "reduce_dtype": reduce, "autocast": autocast})
         why = ""
         if comm in (None, "auto"):
             why = " (no communication_data_type: reduce in the compute dtype, as DeepSpeed does)"
+            if autocast != "none":
+                why = (
+                    " (no communication_data_type: every gradient reduced in fp32, where "
+                    "DeepSpeed reduces those of torch_autocast.lower_precision_safe_modules in "
+                    "bf16)"
+                )
         for key in ("fp16.enabled", "bf16.enabled", "bfloat16.enabled"):
             if key in self.leaves and key not in self.rows:  # 'auto' has its row already
                 detail = f"precision.param_dtype = {param!r}, reduce_dtype = {reduce!r}{why}"
@@ -185,6 +194,46 @@ class _Translator:
             for key in [k for k in self.leaves if k.startswith("fp16.")]:
                 if key not in self.rows:
                     self._row(key, self.leaves[key], "ignored", "fp16 is not enabled", "fp16 off")
+
+    def _torch_autocast(self, cast_params: bool) -> str | None:
+        """DeepSpeed's torch_autocast block -> precision.autocast ("none" or "bf16"); None
+        after an error."""
+        if not self._flag("torch_autocast.enabled"):
+            for key in [k for k in self.leaves if k.startswith("torch_autocast.")]:
+                if key not in self.rows:
+                    self._row(key, self.leaves[key], "ignored", "torch_autocast is not enabled")
+            return "none"
+        if cast_params:
+            self._error(
+                "torch_autocast.enabled",
+                True,
+                "torch_autocast and bf16/fp16 are both enabled; torch_autocast keeps fp32 "
+                "parameters and casts per op: enable one",
+            )
+            return None
+        dtype = self.leaves.get("torch_autocast.dtype", ABSENT)
+        if str(dtype).lower() not in ("bfloat16", "bf16", "torch.bfloat16"):
+            self._error(
+                "torch_autocast.dtype",
+                dtype,
+                "fsdpx's autocast runs in bfloat16 only (float16 autocast needs a gradient "
+                "scaler; torch's default autocast dtype on CUDA is float16): set "
+                '"dtype": "bfloat16", or use "fp16": {"enabled": true} for fp16 training',
+            )
+            return None
+        self._row("torch_autocast.enabled", True, "mapped", "precision.autocast = 'bf16'")
+        self._row("torch_autocast.dtype", dtype, "mapped", "precision.autocast = 'bf16'")
+        key = "torch_autocast.lower_precision_safe_modules"
+        if key in self.leaves:
+            self._row(
+                key,
+                self.leaves[key],
+                "ignored",
+                "torch.autocast decides per op which run in bf16; gradients are reduced in "
+                "precision.reduce_dtype (communication_data_type; fp32 by default)",
+                "autocast",
+            )
+        return "bf16"
 
     def _flag(self, key: str) -> bool:
         value = self.leaves.get(key, False)

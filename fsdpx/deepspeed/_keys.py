@@ -191,10 +191,13 @@ def _table() -> dict[str, KeyRule]:
             'NVIDIA Apex AMP is not supported; use "bf16": {"enabled": true} or "fp16"',
             {"enabled": False},
         ),
-        "torch_autocast": _refused(
-            'autocast-based mixed precision is not supported; use "bf16": {"enabled": '
-            'true} or "fp16" (FSDP2 casts the parameters instead)',
-            {"enabled": False},
+        "torch_autocast": _section("-> precision.autocast"),
+        "torch_autocast.enabled": _mapped("true -> precision.autocast = 'bf16' (fp32 parameters)"),
+        "torch_autocast.dtype": _mapped("bfloat16 only (float16 refused: use the fp16 block)"),
+        "torch_autocast.lower_precision_safe_modules": _ignored(
+            "torch.autocast decides per op which run in bf16; gradients are reduced in "
+            "precision.reduce_dtype",
+            NOT_APPLICABLE,
         ),
         "elasticity": _refused(
             "elastic batch sizing is not supported; fix train_batch_size and remove the block",
