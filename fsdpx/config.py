@@ -145,6 +145,13 @@ class PrecisionConfig:
     torch.autocast(bfloat16), which casts per op (matmuls and convolutions in bf16, reductions
     and losses in fp32) instead of casting the parameters (DeepSpeed's ``torch_autocast``).
     Needs param_dtype fp32 and no pipeline parallelism; backward follows autocast's casts."""
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """bf16: the sharded parameters themselves (the masters the optimizer updates), their
+    gradients and the optimizer's moments are bf16, with no fp32 copy (DeepSpeed's
+    ``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``): half the parameter,
+    gradient and optimizer memory, at bf16 update precision. Needs param_dtype bf16, ZeRO
+    stage 1-3 (as DeepSpeed), no offload, and optimizer type adamw/adam (with bias correction)
+    or sgd."""
 
 
 @dataclass(frozen=True)
@@ -622,6 +629,8 @@ class Config:
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "> 0 seconds")
         if self.optimizer.type in EXCHANGING_OPTIMIZERS:
             _check_onebit(self)
+        if self.precision.master_dtype != "fp32":
+            _check_bf16_masters(self)
         if self.precision.autocast != "none":
             for key, value, needed in (
                 ("precision.param_dtype", self.precision.param_dtype, "fp32"),
@@ -704,6 +713,38 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+def _check_bf16_masters(cfg: Config) -> None:
+    """precision.master_dtype bf16: what it needs (PrecisionConfig.master_dtype)."""
+    o = cfg.optimizer
+    found = {
+        "precision.param_dtype": (cfg.precision.param_dtype, "bf16", "'bf16'"),
+        "zero.stage": (cfg.zero.stage, cfg.zero.stage if cfg.zero.stage else None, "1, 2 or 3"),
+        "zero.offload_optimizer.device": (
+            cfg.zero.offload_optimizer.device,
+            "none",
+            "'none' (offload keeps fp32 masters on the host)",
+        ),
+        "precision.autocast": (cfg.precision.autocast, "none", "'none'"),
+        "optimizer.type": (
+            o.type,
+            o.type if o.type in ("adamw", "adam", "sgd") else None,
+            "'adamw', 'adam' or 'sgd' (the others keep fp32 state)",
+        ),
+        "optimizer.bias_correction": (
+            o.bias_correction,
+            True,
+            "true (the fused Adam without bias correction steps fp32 tensors only)",
+        ),
+    }
+    for key, (value, ok, needed) in found.items():
+        if value != ok:
+            raise ValueError(
+                f"config key 'precision.master_dtype' = 'bf16' (bf16 master weights, gradients "
+                f"and optimizer states) needs {key} = {needed}; got {value!r}. Change {key}, "
+                "or keep precision.master_dtype 'fp32'"
+            )
 
 
 def _check_onebit(cfg: Config) -> None:

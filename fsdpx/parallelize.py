@@ -136,6 +136,10 @@ def parallelize(
             "which initialises each parameter from its full-model name, so every layout "
             "gets the values of the unsplit model"
         )
+    if cfg.precision.master_dtype == "bf16":
+        # The sharded parameters are the masters: bf16 ones (PrecisionConfig.master_dtype),
+        # cast before sharding (on meta, reset_parameters() then initialises in bf16).
+        model.to(torch.bfloat16)
     if not on_meta:
         model.to(device)
     if materialize:

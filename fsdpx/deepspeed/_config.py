@@ -169,7 +169,18 @@ class _Translator:
                     f"'communication_data_type' must be one of fp32, fp16, bf16; got {comm!r}",
                 )
                 return
-        self._set("precision", {"param_dtype": param, "reduce_dtype": reduce, "autocast": autocast})
+        master = self._bf16_masters(bf16)
+        if master is None:
+            return
+        self._set(
+            "precision",
+            {
+                "param_dtype": param,
+                "reduce_dtype": reduce,
+                "autocast": autocast,
+                "master_dtype": master,
+            },
+        )
         why = ""
         if comm in (None, "auto"):
             why = " (no communication_data_type: reduce in the compute dtype, as DeepSpeed does)"
@@ -194,6 +205,48 @@ class _Translator:
             for key in [k for k in self.leaves if k.startswith("fp16.")]:
                 if key not in self.rows:
                     self._row(key, self.leaves[key], "ignored", "fp16 is not enabled", "fp16 off")
+
+    def _bf16_masters(self, bf16: bool) -> str | None:
+        """bf16_master_weights_and_grads + bf16_optimizer_states -> precision.master_dtype
+        ("fp32" or "bf16"); None after an error."""
+        keys = {}
+        for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            for block in ("bf16", "bfloat16"):
+                if f"{block}.{name}" in self.leaves:
+                    keys[name] = f"{block}.{name}"
+        master_key = keys.get("bf16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads")
+        states_key = keys.get("bf16_optimizer_states", "bf16.bf16_optimizer_states")
+        master, states = self._flag(master_key), self._flag(states_key)
+        if not (master or states):
+            for key in keys.values():
+                if key not in self.rows:
+                    self._row(
+                        key, self.leaves[key], "ignored", "feature off (false)", "feature off"
+                    )
+            return "fp32"
+        if states and not master:
+            self._error(
+                states_key,
+                True,
+                "bf16_optimizer_states requires bf16_master_weights_and_grads to be enabled "
+                "(DeepSpeed's rule)",
+            )
+            return None
+        if not states:
+            self._error(
+                master_key,
+                True,
+                "bf16 master weights with fp32 optimizer states is DeepSpeed's ZeRO-Offload + "
+                "DeepSpeedCPUAdam layout, which fsdpx does not implement (its offload keeps fp32 "
+                "masters): set bf16_optimizer_states true too (bf16 moments), or remove the key",
+            )
+            return None
+        if not bf16:
+            self._error(master_key, True, 'bf16 master weights need "bf16": {"enabled": true}')
+            return None
+        for key in (master_key, states_key):
+            self._row(key, True, "mapped", "precision.master_dtype = 'bf16'")
+        return "bf16"
 
     def _torch_autocast(self, cast_params: bool) -> str | None:
         """DeepSpeed's torch_autocast block -> precision.autocast ("none" or "bf16"); None

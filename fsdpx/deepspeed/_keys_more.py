@@ -54,15 +54,14 @@ def more_rules() -> dict[str, Rule]:
     """The rows (dotted DeepSpeed key -> Rule)."""
     r: dict[str, Rule] = {
         # --- precision --------------------------------------------------------------
-        "bf16.bf16_master_weights_and_grads": _refused(
-            "bf16 master weights and gradients are not implemented yet: fsdpx keeps fp32 "
-            "master weights (the sharded parameters) and fp32 gradients; remove the key",
-            False,
+        "bf16.bf16_master_weights_and_grads": Rule(
+            "mapped",
+            "true (with bf16_optimizer_states true) -> precision.master_dtype = 'bf16'",
+            "",
+            (),
         ),
-        "bf16.bf16_optimizer_states": _refused(
-            "bf16 optimizer states are not implemented yet: fsdpx keeps Adam's moments in "
-            "fp32; remove the key",
-            False,
+        "bf16.bf16_optimizer_states": Rule(
+            "mapped", "true (with bf16_master_weights_and_grads true) -> the same", "", ()
         ),
         "bf16.check_grad_overflow": _refused(
             "fsdpx checks gradients for inf/NaN (and skips the step) only under fp16 loss "
