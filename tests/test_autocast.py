@@ -39,14 +39,18 @@ def _reference(autocast: bool) -> dict[str, torch.Tensor]:
         torch.set_num_threads(threads)
 
 
-def test_autocast_matches_one_process_under_autocast() -> None:
+@pytest.mark.parametrize(
+    "stages", [(3,), pytest.param((0, 1, 2), marks=pytest.mark.slow)], ids=["zero3", "zero012"]
+)
+def test_autocast_matches_one_process_under_autocast(stages: tuple[int, ...]) -> None:
+    """Stage 3 in the default tier; stages 0-2 in the slow tier."""
     cases = {
         f"zero{stage}": {
             "zero": {"stage": stage},
             "optimizer": {"lr": LR},
             "precision": {"autocast": "bf16"},
         }
-        for stage in (0, 3)
+        for stage in stages
     }
     results = run_ranks(sweep_body, DP, args=(cases,))
     ref = _reference(autocast=True)
