@@ -1,4 +1,5 @@
-"""1-bit Adam against Adam: final validation loss and communication bytes per step.
+"""1-bit Adam (or 0/1 Adam, 1-bit Lamb: --optimizer) against Adam: final validation loss and
+communication bytes per step.
 
 Run from the repository root (4 gloo ranks on CPU, DESIGN Round 2 clarification 13)::
 
@@ -26,7 +27,14 @@ Results on 2 shared CPU cores, 4 ranks (GPT 875,264 parameters, global batch 16,
 | 200 / 40            | 2.4662        | 2.4964              | 1.0122 | 165,768 vs 5,251,584 (1/31.7) |
 
 At 200 steps the 40-step warmup leaves the frozen variance too rough for the 1% bound;
-tests/test_onebit_convergence.py runs the 400-step setting (the default).
+tests/test_onebit_convergence.py runs the 400-step setting (the default) for
+1-bit Adam. 0/1 Adam (--optimizer zero_one_adam: var_freeze_step 80, var_update_scaler
+16, local_step_scaler 64, clipper 4; no bias correction, as DeepSpeed's), same machine, 400 /
+80: validation loss 2.8457 vs Adam's 2.2393 (ratio 1.2708), 165,768 bytes/step after the
+freeze (1/31.7): it does not meet the 1% bar in this short run, so the slow test covers 1-bit
+Adam only. 1-bit Lamb (--optimizer onebit_lamb, freeze_step 80, DeepSpeed's coeff/factor
+defaults, the same lr 1e-3), same setting: 2.7729 (ratio 1.2383), 164,136 bytes/step after the
+freeze (1/32.0); Lamb's trust ratio rescales the step, so the lr tuned for Adam is not its.
 """
 
 from __future__ import annotations
@@ -96,6 +104,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="global batch per step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument(
+        "--optimizer",
+        choices=["onebit_adam", "zero_one_adam", "onebit_lamb"],
+        default="onebit_adam",
+        help="zero_one_adam: 0/1 Adam with var_freeze_step = --freeze-step, variance interval "
+        "doubling every 16 variance steps, local-step interval doubling every "
+        "--local-step-scaler steps up to 4; onebit_lamb: 1-bit Lamb with freeze_step = "
+        "--freeze-step",
+    )
+    ap.add_argument("--local-step-scaler", type=int, default=64)
     args = ap.parse_args()
     if args.freeze_step > args.steps // 5:
         raise SystemExit(
@@ -106,10 +124,19 @@ def main() -> None:
     world = dist.get_world_size()
     common = dict(steps=args.steps, batch=args.batch, lr=args.lr, val_batches=args.val_batches)
     adam = train({"type": "adamw", "weight_decay": 0.0}, **common)  # type: ignore[arg-type]
-    onebit = train(
-        {"type": "onebit_adam", "freeze_step": args.freeze_step},
-        **common,  # type: ignore[arg-type]
-    )
+    opt_cfg: dict[str, Any] = {"type": "onebit_adam", "freeze_step": args.freeze_step}
+    if args.optimizer == "zero_one_adam":
+        opt_cfg = {
+            "type": "zero_one_adam",
+            "bias_correction": False,
+            "var_freeze_step": args.freeze_step,
+            "var_update_scaler": 16,
+            "local_step_scaler": args.local_step_scaler,
+            "local_step_clipper": 4,
+        }
+    if args.optimizer == "onebit_lamb":
+        opt_cfg = {"type": "onebit_lamb", "bias_correction": False, "freeze_step": args.freeze_step}
+    onebit = train(opt_cfg, **common)  # type: ignore[arg-type]
     if dist.get_rank() == 0:
         warm = onebit["bytes_per_step"][: args.freeze_step]
         after = onebit["bytes_per_step"][args.freeze_step :]
@@ -118,6 +145,7 @@ def main() -> None:
             "world_size": world,
             "steps": args.steps,
             "freeze_step": args.freeze_step,
+            "optimizer": args.optimizer,
             "params": adam["params"],
             "adam_val_loss": adam["val_loss"],
             "onebit_val_loss": onebit["val_loss"],
@@ -131,12 +159,12 @@ def main() -> None:
         }
         print(f"Adam      final validation loss {adam['val_loss']:.4f}")
         print(
-            f"1-bit Adam final validation loss {onebit['val_loss']:.4f}  (ratio "
+            f"{args.optimizer} final validation loss {onebit['val_loss']:.4f}  (ratio "
             f"{result['val_loss_ratio']:.4f}; freeze_step {args.freeze_step} of {args.steps})"
         )
         print(
             f"bytes/step sent by rank 0: Adam all-reduce {max(warm)} (FSDP's by formula "
-            f"{fsdp_all_reduce}), 1-bit after freeze {max(after)} (ratio "
+            f"{fsdp_all_reduce}), {args.optimizer} after freeze {max(after)} (ratio "
             f"1/{max(warm) / max(after):.1f})"
         )
         print(json.dumps(result))

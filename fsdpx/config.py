@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fsdpx.optimizers import OPTIMIZER_KEYS
+from fsdpx.optimizers import EXCHANGING_OPTIMIZERS, OPTIMIZER_KEYS
 from fsdpx.strict_parse import parse_dataclass
 
 DType = Literal["fp32", "bf16", "fp16"]
@@ -140,6 +140,18 @@ class PrecisionConfig:
     """Dtype of the gathered parameters used in forward/backward."""
     reduce_dtype: DType = "fp32"
     """Dtype gradients are reduced in."""
+    autocast: Literal["none", "bf16"] = "none"
+    """bf16: the engine runs forward (engine(...), train_batch, eval_batch) under
+    torch.autocast(bfloat16), which casts per op (matmuls and convolutions in bf16, reductions
+    and losses in fp32) instead of casting the parameters (DeepSpeed's ``torch_autocast``).
+    Needs param_dtype fp32 and no pipeline parallelism; backward follows autocast's casts."""
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """bf16: the sharded parameters themselves (the masters the optimizer updates), their
+    gradients and the optimizer's moments are bf16, with no fp32 copy (DeepSpeed's
+    ``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``): half the parameter,
+    gradient and optimizer memory, at bf16 update precision. Needs param_dtype bf16, ZeRO
+    stage 1-3 (as DeepSpeed), no offload, and optimizer type adamw/adam (with bias correction)
+    or sgd."""
 
 
 @dataclass(frozen=True)
@@ -176,9 +188,14 @@ class LossScaleConfig:
 class OptimizerConfig:
     """The optimizer built when `fsdpx.shard` is called with optimizer=None."""
 
-    type: Literal["adamw", "adam", "sgd", "onebit_adam"] = "adamw"
+    type: Literal["adamw", "adam", "sgd", "onebit_adam", "lamb", "zero_one_adam", "onebit_lamb"] = (
+        "adamw"
+    )
     """Which optimizer to build: a row of fsdpx.optimizers.OPTIMIZERS (the keys it reads);
-    onebit_adam is fsdpx.onebit_adam.OneBitAdam (1-bit compressed exchange, ZeRO stage 0)."""
+    onebit_adam is fsdpx.onebit_adam.OneBitAdam (1-bit compressed exchange, ZeRO stage 0);
+    lamb is fsdpx.lamb.Lamb (DeepSpeed's Lamb: Adam with a per-tensor trust ratio);
+    zero_one_adam is fsdpx.zero_one_adam.ZeroOneAdam (0/1 Adam, ZeRO stage 0); onebit_lamb is
+    fsdpx.onebit_lamb.OneBitLamb (1-bit Lamb, ZeRO stage 0)."""
     lr: float = 1e-3
     """Learning rate (the peak lr of a schedule whose max lr is left unset)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -197,6 +214,29 @@ class OptimizerConfig:
     ``bias_correction=False``: step size lr, denominator sqrt(v) + eps). torch.optim has no
     such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead. onebit_adam: false uses m and
     the frozen v as they are (what DeepSpeed's OnebitAdam did whatever its flag said)."""
+    max_coeff: float = 10.0
+    """lamb only: upper clamp of the trust ratio ||p|| / ||update|| (DeepSpeed's default)."""
+    min_coeff: float = 0.01
+    """lamb only: lower clamp of the trust ratio (DeepSpeed's default)."""
+    eps_inside_sqrt: bool = False
+    """lamb only: add eps under the square root, sqrt(v + eps) (DeepSpeed's eps_inside_sqrt)."""
+    var_freeze_step: int = 100000
+    """zero_one_adam only: the last step that may update the variance (DeepSpeed's default)."""
+    var_update_scaler: int = 16
+    """zero_one_adam only: variance steps between doublings of the variance interval."""
+    local_step_scaler: int = 32678
+    """zero_one_adam only: steps between doublings of the local-step interval (DeepSpeed's
+    default)."""
+    local_step_clipper: int = 16
+    """zero_one_adam only: the largest local-step interval."""
+    coeff_beta: float = 0.9
+    """onebit_lamb only: averaging factor of the warmup trust ratios."""
+    factor_max: float = 4.0
+    """onebit_lamb only: upper clamp of the compressed-stage trust-ratio factor."""
+    factor_min: float = 0.5
+    """onebit_lamb only: lower clamp of that factor."""
+    factor_threshold: float = 0.1
+    """onebit_lamb only: the most the factor may change from one step to the next (relative)."""
 
     def __post_init__(self) -> None:
         _check_unused(self, "optimizer", "type", OPTIMIZER_KEYS[self.type])
@@ -210,6 +250,12 @@ class OptimizerConfig:
         _check(self.eps >= 0, "optimizer.eps", self.eps, ">= 0")
         _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
         _check(self.momentum >= 0, "optimizer.momentum", self.momentum, ">= 0")
+        _check(
+            0 < self.min_coeff <= self.max_coeff,
+            "optimizer.min_coeff/max_coeff",
+            (self.min_coeff, self.max_coeff),
+            "0 < min_coeff <= max_coeff",
+        )
 
 
 SCHEDULER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
@@ -581,8 +627,23 @@ class Config:
             ">= 0 (0 disables clipping)",
         )
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "> 0 seconds")
-        if self.optimizer.type == "onebit_adam":
+        if self.optimizer.type in EXCHANGING_OPTIMIZERS:
             _check_onebit(self)
+        if self.precision.master_dtype != "fp32":
+            _check_bf16_masters(self)
+        if self.precision.autocast != "none":
+            for key, value, needed in (
+                ("precision.param_dtype", self.precision.param_dtype, "fp32"),
+                ("mesh.pp", self.mesh.pp, 1),
+            ):
+                if value != needed:
+                    raise ValueError(
+                        f"config key 'precision.autocast' = {self.precision.autocast!r} needs "
+                        f"{key} = {needed!r} (autocast casts per op: the parameters stay fp32, "
+                        f"and the pipeline schedule runs its stages outside the engine's "
+                        f"forward); got {value!r}. Set {key} = {needed!r}, or use "
+                        "precision.param_dtype 'bf16' instead of autocast"
+                    )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
@@ -654,13 +715,60 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+def _check_bf16_masters(cfg: Config) -> None:
+    """precision.master_dtype bf16: what it needs (PrecisionConfig.master_dtype)."""
+    o = cfg.optimizer
+    found = {
+        "precision.param_dtype": (cfg.precision.param_dtype, "bf16", "'bf16'"),
+        "zero.stage": (cfg.zero.stage, cfg.zero.stage if cfg.zero.stage else None, "1, 2 or 3"),
+        "zero.offload_optimizer.device": (
+            cfg.zero.offload_optimizer.device,
+            "none",
+            "'none' (offload keeps fp32 masters on the host)",
+        ),
+        "precision.autocast": (cfg.precision.autocast, "none", "'none'"),
+        "optimizer.type": (
+            o.type,
+            o.type if o.type in ("adamw", "adam", "sgd") else None,
+            "'adamw', 'adam' or 'sgd' (the others keep fp32 state)",
+        ),
+        "optimizer.bias_correction": (
+            o.bias_correction,
+            True,
+            "true (the fused Adam without bias correction steps fp32 tensors only)",
+        ),
+    }
+    for key, (value, ok, needed) in found.items():
+        if value != ok:
+            raise ValueError(
+                f"config key 'precision.master_dtype' = 'bf16' (bf16 master weights, gradients "
+                f"and optimizer states) needs {key} = {needed}; got {value!r}. Change {key}, "
+                "or keep precision.master_dtype 'fp32'"
+            )
+
+
 def _check_onebit(cfg: Config) -> None:
-    """1-bit Adam needs full replicas (DeepSpeed runs it at ZeRO stage 0 only)."""
+    """1-bit Adam and 0/1 Adam need full replicas (DeepSpeed runs them at ZeRO stage 0
+    only)."""
+    o = cfg.optimizer
     _check(
-        cfg.optimizer.freeze_step >= 1,
+        o.freeze_step >= 1,
         "optimizer.freeze_step",
-        cfg.optimizer.freeze_step,
+        o.freeze_step,
         "an integer >= 1 (full-precision warmup steps)",
+    )
+    for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        _check(getattr(o, name) >= 1, f"optimizer.{name}", getattr(o, name), "an integer >= 1")
+    if o.type in ("zero_one_adam", "onebit_lamb") and o.bias_correction:
+        raise ValueError(
+            f"optimizer.type {o.type!r} has no bias correction (DeepSpeed's ZeroOneAdam and "
+            "OnebitLamb never applied it); set optimizer.bias_correction = false"
+        )
+    _check(
+        0 <= o.coeff_beta < 1 and 0 < o.factor_min <= o.factor_max and o.factor_threshold >= 0,
+        "optimizer.coeff_beta/factor_min/factor_max/factor_threshold",
+        (o.coeff_beta, o.factor_min, o.factor_max, o.factor_threshold),
+        "0 <= coeff_beta < 1, 0 < factor_min <= factor_max, factor_threshold >= 0",
     )
     found = {
         "zero.stage": (cfg.zero.stage, 0),
@@ -671,8 +779,8 @@ def _check_onebit(cfg: Config) -> None:
     for key, (value, needed) in found.items():
         if value != needed:
             raise ValueError(
-                f"optimizer.type 'onebit_adam' exchanges compressed momentum between full "
-                f"replicas (DeepSpeed runs 1-bit Adam at ZeRO stage 0 only), so it needs "
+                f"optimizer.type {o.type!r} exchanges compressed momentum between full "
+                f"replicas (DeepSpeed runs the 1-bit optimizers at ZeRO stage 0 only), so it needs "
                 f"{key} = {needed!r}; got {value!r}. Set {key} = {needed!r}, or use "
                 "optimizer.type 'adamw'"
             )

@@ -32,7 +32,7 @@ from fsdpx.export import save_full_model
 from fsdpx.optimizer_step import OptimizerStep, PlainStep
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner
-from fsdpx.precision import LossScaler, grads_have_overflow
+from fsdpx.precision import LossScaler, autocast_context, grads_have_overflow
 from fsdpx.telemetry.checkpoint_events import report_loaded, saved_reporter
 from fsdpx.telemetry.phases import BACKWARD, FORWARD, OPTIMIZER, next_batch, phase_clock
 from fsdpx.tensor_parallel import loss_context, plain_loss
@@ -121,7 +121,8 @@ class Engine:
     @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         token = self._clock.begin(FORWARD)
-        out = self.module(*args, **kwargs)
+        with autocast_context(self.config.precision.autocast, self.device):
+            out = self.module(*args, **kwargs)
         self._clock.end(FORWARD, token)
         return out
 
@@ -272,6 +273,10 @@ class Engine:
         return loss
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
+        with autocast_context(self.config.precision.autocast, self.device):
+            return self._loss_of_batch(batch)
+
+    def _loss_of_batch(self, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict):
             return self.module(**batch)
         inputs, targets = batch

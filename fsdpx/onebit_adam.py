@@ -18,8 +18,9 @@ all-reduce every gradient in backward (its replicate axis), and FSDP2 (torch 2.1
 way to keep the *unreduced* gradient as the sharded `.grad`: `set_requires_all_reduce(False)`
 parks it in a private accumulator until the next reducing backward, and
 `set_requires_gradient_sync(False)` keeps it on the unsharded parameter. So with
-``optimizer.type = "onebit_adam"`` fsdpx.zero.apply_zero shards over the one-rank shard
-axis only (a full replica, no FSDP gradient collective), and `attach` installs FSDP2's
+``optimizer.type = "onebit_adam"`` (or "zero_one_adam", fsdpx/zero_one_adam.py)
+fsdpx.zero.apply_zero shards over the one-rank shard axis only (a full replica, no FSDP
+gradient collective), and `attach` installs FSDP2's
 all-reduce hook, which averages the gradients in backward during warmup (so clipping and
 the loss scaler see averaged gradients, as with Adam) and does nothing afterwards, when the
 exchange moves into `step`. Without `attach` (plain tensors, one replica per rank) `step`

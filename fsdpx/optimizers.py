@@ -100,6 +100,66 @@ def _build_onebit_adam(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.op
     )
 
 
+def _build_lamb(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from fsdpx.lamb import Lamb
+
+    return Lamb(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        bias_correction=cfg.bias_correction,
+        max_coeff=cfg.max_coeff,
+        min_coeff=cfg.min_coeff,
+        eps_inside_sqrt=cfg.eps_inside_sqrt,
+    )
+
+
+def _build_zero_one_adam(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from fsdpx.zero_one_adam import ZeroOneAdam
+
+    # Like onebit_adam: ZeRO stage 0 with tp = pp = 1 only, where the data-parallel group is
+    # the world.
+    return ZeroOneAdam(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        var_freeze_step=cfg.var_freeze_step,
+        var_update_scaler=cfg.var_update_scaler,
+        local_step_scaler=cfg.local_step_scaler,
+        local_step_clipper=cfg.local_step_clipper,
+    )
+
+
+def _build_onebit_lamb(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from fsdpx.onebit_lamb import OneBitLamb
+
+    # Like onebit_adam: ZeRO stage 0 with tp = pp = 1 only (the data-parallel group is the
+    # world).
+    return OneBitLamb(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        max_coeff=cfg.max_coeff,
+        min_coeff=cfg.min_coeff,
+        freeze_step=cfg.freeze_step,
+        coeff_beta=cfg.coeff_beta,
+        factor_max=cfg.factor_max,
+        factor_min=cfg.factor_min,
+        factor_threshold=cfg.factor_threshold,
+    )
+
+
+def _zero_one_state_bytes(cfg: OptimizerConfig, local_bytes: int, tensors: int) -> int:
+    # exp_avg, exp_avg_sq, momentum_accumulator; the schedule's ints are not tensors.
+    return 3 * local_bytes
+
+
 def _adam_state_bytes(cfg: OptimizerConfig, local_bytes: int, tensors: int) -> int:
     return 2 * local_bytes + _FP32 * tensors  # exp_avg, exp_avg_sq; fp32 `step` per tensor
 
@@ -145,10 +205,63 @@ OPTIMIZERS: Mapping[str, OptimizerSpec] = types.MappingProxyType(
             deepspeed_types=("onebitadam",),
             decoupled_weight_decay=None,
         ),
+        "lamb": OptimizerSpec(
+            keys=_ADAM_KEYS | {"max_coeff", "min_coeff", "eps_inside_sqrt"},
+            build=_build_lamb,
+            state_bytes=_adam_state_bytes,  # exp_avg, exp_avg_sq and step, as Adam's
+            deepspeed_types=("lamb",),
+            decoupled_weight_decay=None,
+        ),
+        "zero_one_adam": OptimizerSpec(
+            keys=frozenset(
+                {
+                    "lr",
+                    "betas",
+                    "eps",
+                    "weight_decay",
+                    "bias_correction",
+                    "var_freeze_step",
+                    "var_update_scaler",
+                    "local_step_scaler",
+                    "local_step_clipper",
+                }
+            ),
+            build=_build_zero_one_adam,
+            state_bytes=_zero_one_state_bytes,
+            deepspeed_types=("zerooneadam",),
+            decoupled_weight_decay=None,
+        ),
+        "onebit_lamb": OptimizerSpec(
+            keys=frozenset(
+                {
+                    "lr",
+                    "betas",
+                    "eps",
+                    "weight_decay",
+                    "bias_correction",
+                    "max_coeff",
+                    "min_coeff",
+                    "freeze_step",
+                    "coeff_beta",
+                    "factor_max",
+                    "factor_min",
+                    "factor_threshold",
+                }
+            ),
+            build=_build_onebit_lamb,
+            # exp_avg, exp_avg_sq, exp_avg_sq_fresh (the ints and floats are not tensors).
+            state_bytes=_zero_one_state_bytes,
+            deepspeed_types=("onebitlamb",),
+            decoupled_weight_decay=None,
+        ),
     }
 )
 """optimizer.type -> its OptimizerSpec. Adding an optimizer is one row here (plus its name
 in OptimizerConfig.type's Literal, which tests/test_config.py checks against this table)."""
+
+EXCHANGING_OPTIMIZERS = frozenset({"onebit_adam", "zero_one_adam", "onebit_lamb"})
+"""Types that exchange gradients themselves (compressed): fsdpx.shard builds full replicas
+with no FSDP gradient collective and calls the optimizer's `attach(model)`."""
 
 OPTIMIZER_KEYS: Mapping[str, frozenset[str]] = types.MappingProxyType(
     {name: spec.keys for name, spec in OPTIMIZERS.items()}

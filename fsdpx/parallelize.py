@@ -61,6 +61,7 @@ from fsdpx.config import Config
 from fsdpx.init_sync import broadcast_initial_state_
 from fsdpx.materialize import materialize_
 from fsdpx.offload import offload_policy
+from fsdpx.optimizers import EXCHANGING_OPTIMIZERS
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner, build_runner, split_stages
 from fsdpx.pipeline_split import merged_view
@@ -135,6 +136,10 @@ def parallelize(
             "which initialises each parameter from its full-model name, so every layout "
             "gets the values of the unsplit model"
         )
+    if cfg.precision.master_dtype == "bf16":
+        # The sharded parameters are the masters: bf16 ones (PrecisionConfig.master_dtype),
+        # cast before sharding (on meta, reset_parameters() then initialises in bf16).
+        model.to(torch.bfloat16)
     if not on_meta:
         model.to(device)
     if materialize:
@@ -231,7 +236,7 @@ def parallelize_part(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         block_reshard_after_forward=block_reshard_after_forward,
-        fsdp_all_reduce=cfg.optimizer.type != "onebit_adam",
+        fsdp_all_reduce=cfg.optimizer.type not in EXCHANGING_OPTIMIZERS,
     )
 
 

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
@@ -206,6 +207,14 @@ def _flag_device(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -
     if not tensors and "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def autocast_context(mode: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The engine's forward context for `precision.autocast`: torch.autocast(bfloat16) on
+    the device's type for "bf16", nothing for "none"."""
+    if mode == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def grads_have_overflow(

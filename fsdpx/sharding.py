@@ -27,6 +27,7 @@ from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
 from fsdpx.offload import build_offload, check_offload
 from fsdpx.onebit_adam import OneBitAdam
+from fsdpx.onebit_lamb import OneBitLamb
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.parallelize import parallelize
@@ -35,6 +36,7 @@ from fsdpx.precision import build_loss_scaler
 from fsdpx.schedulers import build_scheduler
 from fsdpx.telemetry.start import start_telemetry
 from fsdpx.zero import dims_for_stage
+from fsdpx.zero_one_adam import ZeroOneAdam
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -124,7 +126,7 @@ def shard(
     opt = offloaded.optimizer
     if opt is None:
         opt = optimizer(groups) if callable(optimizer) else build_optimizer(groups, cfg.optimizer)
-    if isinstance(opt, OneBitAdam):
+    if isinstance(opt, OneBitAdam | ZeroOneAdam | OneBitLamb):
         opt.attach(cast(nn.Module, sharded))
     try:
         sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)

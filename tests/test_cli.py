@@ -128,12 +128,12 @@ def test_config_explain_shows_refusals_and_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "ds.json"
-    path.write_text('{"train_batch_size": 8, // comment\n "optimizer": {"type": "Lamb",},}')
+    path.write_text('{"train_batch_size": 8, // comment\n "optimizer": {"type": "Lion",},}')
     assert main(["config", "explain", str(path), "--world-size", "2"]) == 2
     out, err = capsys.readouterr()
-    assert re.search(r"^optimizer\.type +Lamb +refused +optimizer type", out, re.M)
+    assert re.search(r"^optimizer\.type +Lion +refused +optimizer type", out, re.M)
     assert err.startswith("fsdpx config explain: error: ")
-    assert "optimizer type 'Lamb' is not built into fsdpx" in err
+    assert "optimizer type 'Lion' is not built into fsdpx" in err
 
 
 def test_config_explain_all_keys_and_usage(capsys: pytest.CaptureFixture[str]) -> None:

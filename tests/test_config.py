@@ -143,7 +143,11 @@ def test_top_level_must_be_a_table(data: Any) -> None:
     [
         ("precision.param_dtype", "float16", "'fp32', 'bf16', 'fp16'"),
         ("precision.reduce_dtype", "fp8", "'fp32', 'bf16', 'fp16'"),
-        ("optimizer.type", "lamb", "'adamw', 'adam', 'sgd', 'onebit_adam'"),
+        (
+            "optimizer.type",
+            "lion",
+            "'adamw', 'adam', 'sgd', 'onebit_adam', 'lamb', 'zero_one_adam', 'onebit_lamb'",
+        ),
         (
             "scheduler.type",
             "cosine",

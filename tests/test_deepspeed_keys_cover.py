@@ -85,13 +85,13 @@ def test_every_row_says_why(extracted: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     "key,action",
     [
-        ("bf16.bf16_master_weights_and_grads", "refused"),
-        ("bf16.bf16_optimizer_states", "refused"),
+        ("bf16.bf16_master_weights_and_grads", "mapped"),
+        ("bf16.bf16_optimizer_states", "mapped"),
         ("compile.deepcompile", "refused"),
         ("hybrid_engine", "refused"),
         ("progressive_layer_drop", "refused"),
         ("zero_optimization.zenflow", "refused"),
-        ("torch_autocast", "refused"),
+        ("torch_autocast.enabled", "mapped"),
         ("optimizer.params.freeze_step", "mapped"),
         ("optimizer.params.bias_correction", "mapped"),
     ],

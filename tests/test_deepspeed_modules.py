@@ -1,7 +1,9 @@
 """The DeepSpeed submodules scripts import through `fsdpx.deepspeed`: lr_schedules,
-checkpointing, ops.adam, and the config summary DeepSpeed users see once."""
+checkpointing, ops.adam, ops.lamb, and the config summary DeepSpeed users see once."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -126,9 +128,33 @@ def test_fused_adam_is_fsdpx_adamw(mode: bool) -> None:
     assert cpu.param_groups[0]["decoupled_weight_decay"] is mode
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, DeepSpeedCPUAdam])
+@pytest.mark.parametrize("mode", [True, False])
+def test_adam_without_bias_correction(cls: type, mode: bool) -> None:
+    """bias_correction=False: DeepSpeed's formula (multi_tensor_adam.cu / cpu_adam with both
+    corrections 1), written out in float64 here."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(7))
+    ref = p.detach().double().clone()
+    m, v = torch.zeros_like(ref), torch.zeros_like(ref)
+    lr, b1, b2, eps, wd = 0.01, 0.9, 0.999, 1e-8, 0.1
+    kw = {"adam_w_mode": mode} if cls is FusedAdam else {"adamw_mode": mode}
+    opt = cls([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, bias_correction=False, **kw)
+    assert opt.param_groups[0]["bias_correction"] is False
+    for i in range(3):
+        g = torch.randn(7) * (i + 1)
+        p.grad = g.clone()
+        opt.step()
+        gd = g.double() if mode else g.double() + wd * ref
+        m = b1 * m + (1 - b1) * gd
+        v = b2 * v + (1 - b2) * gd * gd
+        if mode:
+            ref = ref * (1 - lr * wd)
+        ref = ref - lr * m / (v.sqrt() + eps)
+    torch.testing.assert_close(p.detach().double(), ref, rtol=1e-5, atol=1e-6)
+
+
 def test_adam_options_not_implemented_say_so() -> None:
-    with pytest.raises(NotImplementedError, match="bias_correction=False"):
-        FusedAdam([nn.Parameter(torch.zeros(1))], bias_correction=False)
     with pytest.raises(RuntimeError, match="AMSGrad"):
         FusedAdam([nn.Parameter(torch.zeros(1))], amsgrad=True)
     with pytest.raises(NotImplementedError, match="fp32_optimizer_states=False"):
@@ -162,3 +188,25 @@ def test_zero_init_builds_on_meta_and_initialize_materialises() -> None:
 def test_zero_init_refusals(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         deepspeed.zero.Init(**kwargs)
+
+
+def test_fused_lamb_is_fsdpx_lamb() -> None:
+    from fsdpx.deepspeed.ops.lamb import FusedLamb
+    from fsdpx.lamb import Lamb
+
+    torch.manual_seed(0)
+    p1 = nn.Parameter(torch.randn(5))
+    p2 = nn.Parameter(p1.detach().clone())
+    kw: dict[str, Any] = dict(lr=0.01, weight_decay=0.1, max_coeff=2.0, min_coeff=0.1)
+    ours = FusedLamb([p1], bias_correction=False, eps_inside_sqrt=True, **kw)
+    ref = Lamb([p2], bias_correction=False, eps_inside_sqrt=True, **kw)
+    for _ in range(3):
+        for p, opt in ((p1, ours), (p2, ref)):
+            p.grad = torch.ones_like(p)
+            opt.step()
+    assert torch.equal(p1, p2)
+    assert ours.get_lamb_coeffs() == ref.get_lamb_coeffs() and len(ours.get_lamb_coeffs()) == 1
+    with pytest.raises(ValueError, match="clip with the config's gradient_clipping"):
+        FusedLamb([nn.Parameter(torch.zeros(1))], max_grad_norm=1.0)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedLamb([nn.Parameter(torch.zeros(1))], amsgrad=True)

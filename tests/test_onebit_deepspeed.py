@@ -1,5 +1,5 @@
 """DeepSpeed's 1-bit optimizer configs through Config.from_deepspeed: OneBitAdam and its
-parameters are mapped, ZeroOneAdam / OneBitLamb refused with the reason."""
+parameters are mapped, and so are OneBitLamb's (ZeroOneAdam's: tests/test_zero_one_adam.py)."""
 
 from __future__ import annotations
 
@@ -54,23 +54,28 @@ def test_onebit_adam_needs_stage_0() -> None:
         Config.from_deepspeed(data, world_size=2)
 
 
-@pytest.mark.parametrize(
-    ("opt_type", "params", "name"),
-    [
-        ("ZeroOneAdam", {"var_freeze_step": 100, "local_step_scaler": 10}, "0/1 Adam"),
-        ("OneBitLamb", {"freeze_step": 10, "max_coeff": 0.3, "factor_max": 4.0}, "1-bit Lamb"),
-    ],
-)
-def test_unbuilt_onebit_optimizers_are_refused_with_the_reason(
-    opt_type: str, params: dict[str, Any], name: str
-) -> None:
-    with pytest.raises(ValueError, match=f"{name} .* is not implemented in fsdpx"):
-        Config.from_deepspeed(_ds(opt_type, **params), world_size=2)
-    rows = {r.key: r for r in explain(_ds(opt_type, **params), world_size=2)[0]}
-    for key in params:
-        if key != "freeze_step":
-            assert rows[f"optimizer.params.{key}"].status == "refused"
-            assert "0/1 Adam / 1-bit Lamb" in rows[f"optimizer.params.{key}"].detail
+def test_onebit_lamb_config_maps_onto_onebit_lamb() -> None:
+    # The shape of DeepSpeed's BERT 1-bit Lamb example config.
+    params = dict(
+        weight_decay=0.01,
+        bias_correction=False,
+        max_coeff=0.3,
+        min_coeff=0.01,
+        freeze_step=1000,
+        cuda_aware=False,
+        comm_backend_name="nccl",
+        coeff_beta=0.9,
+        factor_max=4.0,
+        factor_min=0.5,
+        factor_threshold=0.1,
+    )
+    cfg = Config.from_deepspeed(_ds("OneBitLamb", **params), world_size=2)
+    o = cfg.optimizer
+    assert (o.type, o.freeze_step, o.max_coeff, o.coeff_beta) == ("onebit_lamb", 1000, 0.3, 0.9)
+    assert (o.factor_max, o.factor_min, o.factor_threshold) == (4.0, 0.5, 0.1)
+    assert o.bias_correction is False and cfg.zero.stage == 0
+    rows = {r.key: r for r in explain(_ds("OneBitLamb", freeze_step=5), world_size=2)[0]}
+    assert "never applies it" in rows["optimizer.params.bias_correction"].detail
 
 
 def test_freeze_step_with_adam_is_an_error() -> None:

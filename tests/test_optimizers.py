@@ -9,6 +9,7 @@ import torch
 
 from fsdpx.config import OptimizerConfig
 from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES
+from fsdpx.lamb import Lamb
 from fsdpx.optim import build_optimizer
 from fsdpx.optimizers import OPTIMIZER_PARAM_KEYS, OPTIMIZERS
 
@@ -20,7 +21,12 @@ def test_config_literal_lists_the_registry() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "cls"),
-    [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)],
+    [
+        ("adamw", torch.optim.AdamW),
+        ("adam", torch.optim.Adam),
+        ("sgd", torch.optim.SGD),
+        ("lamb", Lamb),
+    ],
 )
 def test_build_optimizer_uses_the_row(kind: str, cls: type) -> None:
     p = torch.nn.Parameter(torch.ones(3))
@@ -46,7 +52,13 @@ def test_no_bias_correction_builds_the_fused_adam(kind: str) -> None:
 
 def test_state_bytes_match_a_real_step() -> None:
     # The formula estimator's bytes are those torch's optimizer really allocates.
-    for kind, extra in (("adamw", {}), ("adam", {}), ("sgd", {"momentum": 0.9}), ("sgd", {})):
+    for kind, extra in (
+        ("adamw", {}),
+        ("adam", {}),
+        ("sgd", {"momentum": 0.9}),
+        ("sgd", {}),
+        ("lamb", {}),
+    ):
         params = [torch.nn.Parameter(torch.ones(5, 3)), torch.nn.Parameter(torch.ones(7))]
         cfg = OptimizerConfig(type=kind, **extra)  # type: ignore[arg-type]
         opt = build_optimizer(params, cfg)
@@ -69,6 +81,9 @@ def test_deepspeed_table_reads_the_registry() -> None:
         "adamw": "adamw",
         "sgd": "sgd",
         "onebitadam": "onebit_adam",
+        "lamb": "lamb",
+        "zerooneadam": "zero_one_adam",
+        "onebitlamb": "onebit_lamb",
     }
     assert set(OPTIMIZER_PARAM_KEYS) == {
         "lr",
@@ -78,6 +93,17 @@ def test_deepspeed_table_reads_the_registry() -> None:
         "momentum",
         "bias_correction",
         "freeze_step",
+        "max_coeff",
+        "min_coeff",
+        "eps_inside_sqrt",
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+        "coeff_beta",
+        "factor_max",
+        "factor_min",
+        "factor_threshold",
     }
     for key in OPTIMIZER_PARAM_KEYS:
         assert DS_KEYS[f"optimizer.params.{key}"].target == f"optimizer.{key}"

@@ -4,7 +4,7 @@ A DeepSpeed script will import this package as ``import fsdpx.deepspeed as deeps
 its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). Provided
 so far: ``initialize``, ``PipelineModule``, ``add_config_arguments``, ``init_distributed``,
 ``DeepSpeedEngine``, ``get_accelerator`` and the submodules ``comm``, ``accelerator``,
-``utils``, ``checkpointing``, ``ops`` (``ops.adam``), ``runtime`` (``runtime.utils``,
+``utils``, ``checkpointing``, ``ops`` (``ops.adam``, ``ops.lamb``), ``runtime`` (``runtime.utils``,
 ``runtime.dataloader``, ``runtime.lr_schedules``), ``zero`` (``zero.Init``,
 ``zero.GatheredParameters``), ``pipe`` (``PipelineModule``, ``LayerSpec``,
 ``TiedLayerSpec``). DeepSpeed names not

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from fsdpx.config import SCHEDULER_KEYS, Config
 from fsdpx.deepspeed._json import load_deepspeed_config
-from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES, UNBUILT_OPTIMIZERS, KeyRule
+from fsdpx.deepspeed._keys import DS_KEYS, OPTIMIZER_TYPES, KeyRule
 
 logger = logging.getLogger("fsdpx")
 
@@ -37,9 +37,6 @@ ABSENT = "<absent>"
 DERIVED = "<derived>"
 """The value shown for a batch key the file leaves out and the batch rule derives."""
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
-_ONEBIT = " (1-bit optimizers are not implemented yet; or use optimizer type Adam/AdamW)"
-_NOT_YET = {"onebitadam": _ONEBIT, "zerooneadam": _ONEBIT, "onebitlamb": _ONEBIT}
-"""DeepSpeed optimizer types fsdpx plans to build (lower-cased) -> what the refusal adds."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +154,9 @@ class _Translator:
         if fp16 and bf16:
             self._error("fp16.enabled", True, "fp16 and bf16 are both enabled; enable one")
             return
+        autocast = self._torch_autocast(fp16 or bf16)
+        if autocast is None:
+            return
         param = "fp16" if fp16 else "bf16" if bf16 else "fp32"
         comm = self.leaves.get("communication_data_type")
         reduce = param
@@ -169,10 +169,27 @@ class _Translator:
                     f"'communication_data_type' must be one of fp32, fp16, bf16; got {comm!r}",
                 )
                 return
-        self._set("precision", {"param_dtype": param, "reduce_dtype": reduce})
+        master = self._bf16_masters(bf16)
+        if master is None:
+            return
+        self._set(
+            "precision",
+            {
+                "param_dtype": param,
+                "reduce_dtype": reduce,
+                "autocast": autocast,
+                "master_dtype": master,
+            },
+        )
         why = ""
         if comm in (None, "auto"):
             why = " (no communication_data_type: reduce in the compute dtype, as DeepSpeed does)"
+            if autocast != "none":
+                why = (
+                    " (no communication_data_type: every gradient reduced in fp32, where "
+                    "DeepSpeed reduces those of torch_autocast.lower_precision_safe_modules in "
+                    "bf16)"
+                )
         for key in ("fp16.enabled", "bf16.enabled", "bfloat16.enabled"):
             if key in self.leaves and key not in self.rows:  # 'auto' has its row already
                 detail = f"precision.param_dtype = {param!r}, reduce_dtype = {reduce!r}{why}"
@@ -188,6 +205,88 @@ class _Translator:
             for key in [k for k in self.leaves if k.startswith("fp16.")]:
                 if key not in self.rows:
                     self._row(key, self.leaves[key], "ignored", "fp16 is not enabled", "fp16 off")
+
+    def _bf16_masters(self, bf16: bool) -> str | None:
+        """bf16_master_weights_and_grads + bf16_optimizer_states -> precision.master_dtype
+        ("fp32" or "bf16"); None after an error."""
+        keys = {}
+        for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            for block in ("bf16", "bfloat16"):
+                if f"{block}.{name}" in self.leaves:
+                    keys[name] = f"{block}.{name}"
+        master_key = keys.get("bf16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads")
+        states_key = keys.get("bf16_optimizer_states", "bf16.bf16_optimizer_states")
+        master, states = self._flag(master_key), self._flag(states_key)
+        if not (master or states):
+            for key in keys.values():
+                if key not in self.rows:
+                    self._row(
+                        key, self.leaves[key], "ignored", "feature off (false)", "feature off"
+                    )
+            return "fp32"
+        if states and not master:
+            self._error(
+                states_key,
+                True,
+                "bf16_optimizer_states requires bf16_master_weights_and_grads to be enabled "
+                "(DeepSpeed's rule)",
+            )
+            return None
+        if not states:
+            self._error(
+                master_key,
+                True,
+                "bf16 master weights with fp32 optimizer states is DeepSpeed's ZeRO-Offload + "
+                "DeepSpeedCPUAdam layout, which fsdpx does not implement (its offload keeps fp32 "
+                "masters): set bf16_optimizer_states true too (bf16 moments), or remove the key",
+            )
+            return None
+        if not bf16:
+            self._error(master_key, True, 'bf16 master weights need "bf16": {"enabled": true}')
+            return None
+        for key in (master_key, states_key):
+            self._row(key, True, "mapped", "precision.master_dtype = 'bf16'")
+        return "bf16"
+
+    def _torch_autocast(self, cast_params: bool) -> str | None:
+        """DeepSpeed's torch_autocast block -> precision.autocast ("none" or "bf16"); None
+        after an error."""
+        if not self._flag("torch_autocast.enabled"):
+            for key in [k for k in self.leaves if k.startswith("torch_autocast.")]:
+                if key not in self.rows:
+                    self._row(key, self.leaves[key], "ignored", "torch_autocast is not enabled")
+            return "none"
+        if cast_params:
+            self._error(
+                "torch_autocast.enabled",
+                True,
+                "torch_autocast and bf16/fp16 are both enabled; torch_autocast keeps fp32 "
+                "parameters and casts per op: enable one",
+            )
+            return None
+        dtype = self.leaves.get("torch_autocast.dtype", ABSENT)
+        if str(dtype).lower() not in ("bfloat16", "bf16", "torch.bfloat16"):
+            self._error(
+                "torch_autocast.dtype",
+                dtype,
+                "fsdpx's autocast runs in bfloat16 only (float16 autocast needs a gradient "
+                "scaler; torch's default autocast dtype on CUDA is float16): set "
+                '"dtype": "bfloat16", or use "fp16": {"enabled": true} for fp16 training',
+            )
+            return None
+        self._row("torch_autocast.enabled", True, "mapped", "precision.autocast = 'bf16'")
+        self._row("torch_autocast.dtype", dtype, "mapped", "precision.autocast = 'bf16'")
+        key = "torch_autocast.lower_precision_safe_modules"
+        if key in self.leaves:
+            self._row(
+                key,
+                self.leaves[key],
+                "ignored",
+                "torch.autocast decides per op which run in bf16; gradients are reduced in "
+                "precision.reduce_dtype (communication_data_type; fp32 by default)",
+                "autocast",
+            )
+        return "bf16"
 
     def _flag(self, key: str) -> bool:
         value = self.leaves.get(key, False)
@@ -259,17 +358,6 @@ class _Translator:
             return
         raw = self.leaves.get("optimizer.type")
         kind = OPTIMIZER_TYPES.get(str(raw).lower())
-        unbuilt = UNBUILT_OPTIMIZERS.get(str(raw).lower())
-        if unbuilt is not None:
-            self._row(
-                "optimizer.type",
-                raw,
-                "refused",
-                f"{unbuilt} is not implemented in fsdpx (1-bit Adam is: type OneBitAdam, "
-                "with freeze_step, at ZeRO stage 0); use OneBitAdam or Adam, or pass "
-                "optimizer=callable to fsdpx.shard and remove the optimizer block",
-            )
-            return
         if kind is None:
             self._row(
                 "optimizer.type",
@@ -277,8 +365,7 @@ class _Translator:
                 "refused",
                 f"optimizer type {raw!r} is not built into fsdpx; pass optimizer=callable to "
                 "fsdpx.shard, e.g. fsdpx.shard(model, cfg, optimizer=lambda params: "
-                "MyOptimizer(params, lr=...)), and remove the optimizer block"
-                + _NOT_YET.get(str(raw).lower(), ""),
+                "MyOptimizer(params, lr=...)), and remove the optimizer block",
             )
             return
         w_mode = self.leaves.get("optimizer.params.adam_w_mode", True)
@@ -290,6 +377,8 @@ class _Translator:
         self._map("optimizer.type", "optimizer.type", kind, note)
         if kind == "onebit_adam":
             self._onebit_bias_correction()
+        if kind in ("zero_one_adam", "onebit_lamb"):
+            self._zero_one_bias_correction(str(raw))
         if "optimizer.params.adam_w_mode" in self.leaves:
             self._row(
                 "optimizer.params.adam_w_mode", w_mode, "mapped", f"optimizer.type = {kind!r}"
@@ -307,6 +396,20 @@ class _Translator:
             value,
             " (DeepSpeed's OnebitAdam accepted bias_correction but never applied it: its "
             "updates were uncorrected, as fsdpx's are with false; fsdpx applies true)",
+        )
+
+    def _zero_one_bias_correction(self, name: str) -> None:
+        key = "optimizer.params.bias_correction"
+        value = self.leaves.get(key, True)
+        if not isinstance(value, bool):
+            self._error(key, value, "must be true or false")
+            return
+        self._map(
+            key,
+            "optimizer.bias_correction",
+            False,
+            f" (DeepSpeed's {name} accepts bias_correction ({value}) but never applies it; "
+            "fsdpx's has the same uncorrected update)",
         )
 
     def _scheduler(self) -> None:

@@ -113,29 +113,6 @@ def _offload_rules(prefix: str, target: str, extra: dict[str, KeyRule]) -> dict[
     return rules
 
 
-_ONEBIT_UNBUILT_PARAMS = (
-    "var_freeze_step",
-    "var_update_scaler",
-    "local_step_scaler",
-    "local_step_clipper",
-    "max_coeff",
-    "min_coeff",
-    "coeff_beta",
-    "factor_max",
-    "factor_min",
-    "factor_threshold",
-)
-"""0/1 Adam's (var_*, local_step_*) and 1-bit Lamb's (coeff, factor) parameters."""
-
-UNBUILT_OPTIMIZERS: Mapping[str, str] = types.MappingProxyType(
-    {
-        "zerooneadam": "0/1 Adam (ZeroOneAdam)",
-        "onebitlamb": "1-bit Lamb (OneBitLamb)",
-    }
-)
-"""Lower-cased DeepSpeed 1-bit optimizer types fsdpx does not implement -> their names."""
-
-
 def _table() -> dict[str, KeyRule]:
     t: dict[str, KeyRule] = {
         # --- batch size and optimizer-step shape ----------------------------------------
@@ -214,10 +191,13 @@ def _table() -> dict[str, KeyRule]:
             'NVIDIA Apex AMP is not supported; use "bf16": {"enabled": true} or "fp16"',
             {"enabled": False},
         ),
-        "torch_autocast": _refused(
-            'autocast-based mixed precision is not supported; use "bf16": {"enabled": '
-            'true} or "fp16" (FSDP2 casts the parameters instead)',
-            {"enabled": False},
+        "torch_autocast": _section("-> precision.autocast"),
+        "torch_autocast.enabled": _mapped("true -> precision.autocast = 'bf16' (fp32 parameters)"),
+        "torch_autocast.dtype": _mapped("bfloat16 only (float16 refused: use the fp16 block)"),
+        "torch_autocast.lower_precision_safe_modules": _ignored(
+            "torch.autocast decides per op which run in bf16; gradients are reduced in "
+            "precision.reduce_dtype",
+            NOT_APPLICABLE,
         ),
         "elasticity": _refused(
             "elastic batch sizing is not supported; fix train_batch_size and remove the block",
@@ -436,8 +416,9 @@ def _table() -> dict[str, KeyRule]:
             "optimizer.type": _mapped(
                 "Adam (adam_w_mode true, DeepSpeed's default) / AdamW -> adamw; Adam with "
                 "adam_w_mode false -> adam; SGD -> sgd; OneBitAdam -> onebit_adam (ZeRO "
-                "stage 0, as in DeepSpeed); any other type (ZeroOneAdam and OneBitLamb among "
-                "them) is refused (pass optimizer=callable to fsdpx.shard)"
+                "stage 0, as in DeepSpeed); ZeroOneAdam -> zero_one_adam and OneBitLamb -> "
+                "onebit_lamb (ZeRO stage 0); Lamb -> lamb (fsdpx.lamb.Lamb, DeepSpeed's FusedLamb "
+                "semantics, any ZeRO stage); any other type is refused (pass optimizer=callable to fsdpx.shard)"
             ),
             "optimizer.legacy_fusion": _ignored("DeepSpeed's kernel choice", INTERNAL),
             "optimizer.params": _section(),
@@ -505,11 +486,6 @@ def _table() -> dict[str, KeyRule]:
             ),
         }
     )
-    for name in _ONEBIT_UNBUILT_PARAMS:
-        t[f"optimizer.params.{name}"] = _refused(
-            "a parameter of 0/1 Adam / 1-bit Lamb, which fsdpx does not implement (see "
-            "optimizer.type); 1-bit Adam is built in: type OneBitAdam with freeze_step"
-        )
     names = sorted(set().union(*SCHEDULER_KEYS.values()))
     for name in names:
         t[f"scheduler.params.{name}"] = _mapped("", f"scheduler.{name}")

@@ -41,7 +41,6 @@ _OFFLOAD = "DeepSpeed's offload buffer tuning"
 # _keys.py with OneBitAdam; DeepSpeed 0.19.8 no longer ships those optimizers, but configs
 # written for earlier releases still carry the keys.
 
-_LAMB = "Lamb is not implemented yet; use optimizer type Adam/AdamW and remove the key"
 _REMOVED = "DeepSpeed 0.19.8 removed this feature too (it raises DeepSpeedConfigError)"
 _DEEPCOMPILE = "a DeepCompile option, read only with compile.deepcompile true, which fsdpx refuses"
 _NO_EP = "expert parallelism is not implemented in fsdpx's DeepSpeed translation"
@@ -55,15 +54,14 @@ def more_rules() -> dict[str, Rule]:
     """The rows (dotted DeepSpeed key -> Rule)."""
     r: dict[str, Rule] = {
         # --- precision --------------------------------------------------------------
-        "bf16.bf16_master_weights_and_grads": _refused(
-            "bf16 master weights and gradients are not implemented yet: fsdpx keeps fp32 "
-            "master weights (the sharded parameters) and fp32 gradients; remove the key",
-            False,
+        "bf16.bf16_master_weights_and_grads": Rule(
+            "mapped",
+            "true (with bf16_optimizer_states true) -> precision.master_dtype = 'bf16'",
+            "",
+            (),
         ),
-        "bf16.bf16_optimizer_states": _refused(
-            "bf16 optimizer states are not implemented yet: fsdpx keeps Adam's moments in "
-            "fp32; remove the key",
-            False,
+        "bf16.bf16_optimizer_states": Rule(
+            "mapped", "true (with bf16_master_weights_and_grads true) -> the same", "", ()
         ),
         "bf16.check_grad_overflow": _refused(
             "fsdpx checks gradients for inf/NaN (and skips the step) only under fp16 loss "
@@ -261,7 +259,6 @@ def more_rules() -> dict[str, Rule]:
             "Adagrad is not built in; pass optimizer=lambda p: torch.optim.Adagrad(p, ...) "
             "to fsdpx.shard"
         ),
-        "optimizer.params.eps_inside_sqrt": _refused(_LAMB),
     }
     for name in (
         "free_activation",

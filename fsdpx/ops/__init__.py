@@ -2,6 +2,8 @@
 
 - `fsdpx.ops.adam`: `adam_step`, fused Adam/AdamW with unscale, inf/nan check and a bf16/fp16
   copy-out in the same memory pass (CPU; CUDA where a GPU is present).
+- `fsdpx.ops.lamb`: `lamb_step`, DeepSpeed's Lamb in two passes (`lamb_moments`,
+  `lamb_apply`; CPU), the trust ratio's norms summed over a sharded tensor's shards between.
 - `fsdpx.ops.aio`: asynchronous file reads/writes into host tensors.
 - `fsdpx.ops.quant`: blockwise int8 / fp8 quantization.
 
@@ -20,6 +22,7 @@ Example::
 from fsdpx.ops._loader import OpsStatus, load_cuda_ops, load_ops
 from fsdpx.ops.adam import adam_step, adam_step_reference
 from fsdpx.ops.aio import AioError, AioHandle, AioPool, aligned_empty
+from fsdpx.ops.lamb import lamb_step
 from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "aligned_empty",
     "dequantize_fp8",
     "dequantize_int8",
+    "lamb_step",
     "load_cuda_ops",
     "load_ops",
     "quantize_fp8",

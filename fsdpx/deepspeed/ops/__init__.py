@@ -1,1 +1,1 @@
-"""`deepspeed.ops`: the optimizer classes DeepSpeed scripts import (`ops.adam`)."""
+"""`deepspeed.ops`: the optimizer classes DeepSpeed scripts import (`ops.adam`, `ops.lamb`)."""

@@ -2,7 +2,8 @@
 `fsdpx.optim.AdamW` (the fused native CPU step, torch's fused step on the GPU).
 
 `adam_w_mode`/`adamw_mode` choose decoupled weight decay (AdamW, the default) or Adam's L2
-penalty. `bias_correction=False` is not available yet and raises.
+penalty; `bias_correction=False` drops Adam's bias correction (fsdpx.optim.AdamW runs such a
+group through `fsdpx.ops.adam_step` on every device).
 """
 
 from collections.abc import Iterable as _Iterable
@@ -13,12 +14,7 @@ import torch as _torch
 from fsdpx.optim import AdamW as _AdamW
 
 
-def _check(bias_correction: bool, amsgrad: bool, name: str) -> None:
-    if not bias_correction:
-        raise NotImplementedError(
-            f"{name}(bias_correction=False) is not implemented in fsdpx's fused Adam yet; "
-            "use bias_correction=True"
-        )
+def _check(amsgrad: bool, name: str) -> None:
     if amsgrad and name == "FusedAdam":
         raise RuntimeError("FusedAdam does not support the AMSGrad variant.")  # DeepSpeed's
 
@@ -38,9 +34,16 @@ class FusedAdam(_AdamW):
         amsgrad: bool = False,
         set_grad_none: bool = True,
     ) -> None:
-        _check(bias_correction, amsgrad, "FusedAdam")
+        _check(amsgrad, "FusedAdam")
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=adam_w_mode
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            decoupled_weight_decay=adam_w_mode,
+            bias_correction=bias_correction,
         )
 
 
@@ -59,14 +62,21 @@ class DeepSpeedCPUAdam(_AdamW):
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
     ) -> None:
-        _check(bias_correction, amsgrad, "DeepSpeedCPUAdam")
+        _check(amsgrad, "DeepSpeedCPUAdam")
         if not fp32_optimizer_states:
             raise NotImplementedError(
                 "DeepSpeedCPUAdam(fp32_optimizer_states=False) (16-bit moments) is not "
                 "implemented; use the default True"
             )
         super().__init__(
-            model_params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=adamw_mode
+            model_params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            decoupled_weight_decay=adamw_mode,
+            bias_correction=bias_correction,
         )
 
 

@@ -18,6 +18,17 @@ TORCH_LIBRARY(fsdpx, m) {
       "bool decoupled_weight_decay=True, bool maximize=False, float inv_grad_scale=1.0, "
       "bool check_finite=False, bool bias_correction=True) -> Tensor");
 
+  // fsdpx/ops/lamb.py. DeepSpeed's Lamb step in two passes: lamb_moments updates the
+  // moments and returns a float64 [n, 2] tensor of sum(p^2) and sum(u^2) per parameter (u the
+  // update direction); lamb_apply recomputes u and applies p -= (step_size * coeffs[i]) * u.
+  m.def(
+      "lamb_moments(Tensor[] params, Tensor[] grads, Tensor(a!)[] exp_avgs, "
+      "Tensor(b!)[] exp_avg_sqs, *, float beta1, float beta2, float eps, float weight_decay, "
+      "float inv_grad_scale=1.0, bool eps_inside_sqrt=False) -> Tensor");
+  m.def(
+      "lamb_apply(Tensor(a!)[] params, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor coeffs, "
+      "*, float step_size, float eps, float weight_decay, bool eps_inside_sqrt=False) -> ()");
+
   // fsdpx/ops/quant.py. Blockwise symmetric quantization of x.reshape(-1): returns q (x's
   // shape, int8 / float8_e4m3fn) and one float32 scale per block_size elements.
   m.def("quantize_int8(Tensor x, int block_size) -> (Tensor, Tensor)");

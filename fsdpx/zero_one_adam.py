@@ -1,0 +1,258 @@
+"""0/1 Adam (Lu et al., 2022, "Maximizing Communication Efficiency for Large-scale Training
+via 0/1 Adam"; DeepSpeed's ZeroOneAdam): Adam whose variance is refreshed on an
+exponentially thinning schedule and whose momentum, after the variance freezes, is
+synchronised only every few *local* steps, each exchange the error-compensated 1-bit
+all-reduce of fsdpx.comm.onebit.
+
+[Note: 0/1 Adam's schedule] Step t (from 1), with DeepSpeed's parameters:
+
+- t <= var_freeze_step, t a multiple of var_interval (a *variance step*): the gradient was
+  averaged in fp32 (the FSDP2 all-reduce hook in backward, or `step` itself without
+  `attach`); m and v are updated with it. After var_update_scaler variance steps the interval
+  doubles (1, 2, 4, ...).
+- t <= var_freeze_step, other steps: the local gradients are averaged by the compressed
+  all-reduce and only m is updated.
+- t > var_freeze_step (v frozen): each rank folds its local gradient into m and steps alone
+  (no communication), accumulating its own parameter change u and the sum of learning rates.
+  Every local_step_interval steps the ranks synchronise: each undoes its local change,
+  averages u * (sqrt(v) + eps) (the lr-weighted momentum) with the compressed all-reduce,
+  sets m = -that / sum(lr) and applies that averaged change. local_step_interval doubles
+  every local_step_scaler steps, up to local_step_clipper.
+
+Every step applies ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``, without bias
+correction, as DeepSpeed's ZeroOneAdam (whose `bias_correction` argument is never read).
+Two deliberate differences from DeepSpeed 0.14-0.16 (the last to ship it): its first
+`step()` only initialised its communication buffers and left the parameters untouched, so
+its schedule counts one step more than the updates (here step 1 is the first update); and
+momentum elements whose variance is exactly 0 are zeroed after each exchange, as in
+fsdpx.onebit_adam ([Note: zero-variance mask] there), where DeepSpeed needed a user
+`exp_avg_mask`. Between synchronisations the replicas differ (the local steps); after one they
+agree to rounding (each rank undoes its own local change before applying the common one).
+The error buffers restart at zero when the variance freezes (DeepSpeed does the same: they
+then compensate a different quantity) and after a load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdpx.comm import OneBitState, compressed_all_reduce, counted
+from fsdpx.dtensor import to_local
+
+
+class ZeroOneAdam(torch.optim.Optimizer):
+    """0/1 Adam ([Note: 0/1 Adam's schedule]); every rank holds a full replica.
+
+    Args:
+        params: parameters or parameter groups (fp32; plain tensors or DTensors on a one-rank
+            mesh, i.e. replicas).
+        lr, betas, eps: as in Adam.
+        weight_decay: added to the update (DeepSpeed's ZeroOneAdam).
+        var_freeze_step: the last step that may update the variance.
+        var_update_scaler: variance steps between doublings of the variance interval.
+        local_step_scaler: steps between doublings of the local-step interval.
+        local_step_clipper: the largest local-step interval.
+        group: the data-parallel process group of the replicas (default: the world).
+
+    Example::
+
+        opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=1000)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"ZeroOneAdam: lr must be >= 0, got {lr}")
+        if not eps > 0.0:
+            raise ValueError(f"ZeroOneAdam: eps must be > 0 (it divides), got {eps}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"ZeroOneAdam: betas must each be in [0, 1), got {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"ZeroOneAdam: weight_decay must be >= 0, got {weight_decay}")
+        for name, value in (
+            ("var_freeze_step", var_freeze_step),
+            ("var_update_scaler", var_update_scaler),
+            ("local_step_scaler", local_step_scaler),
+            ("local_step_clipper", local_step_clipper),
+        ):
+            if value < 1:
+                raise ValueError(f"ZeroOneAdam: {name} must be an integer >= 1, got {value}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        self.group = group
+        self._attached = False
+        self._errors: dict[torch.Tensor, OneBitState] = {}
+        # The schedule, the same for every parameter; each step also writes it into every
+        # stepped parameter's state (as DeepSpeed keeps it), so checkpoints carry it.
+        self.schedule = _fresh_schedule()
+        self._stepped: list[dict[str, Any]] = []
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def variance_step(self, t: int) -> bool:
+        """Whether step `t` averages the gradient in fp32 and updates the variance."""
+        return t <= self.var_freeze_step and t % self.schedule["var_interval"] == 0
+
+    def attach(self, model: nn.Module) -> None:
+        """Take over the gradient exchange of an FSDP2 model built by fsdpx.shard at ZeRO
+        stage 0 (as fsdpx.onebit_adam.OneBitAdam.attach: FSDP itself issues no gradient
+        collective; this hook all-reduces before variance steps only)."""
+        for p in model.parameters():
+            if isinstance(p, DTensor) and p.device_mesh.size() > 1:
+                raise ValueError(
+                    f"ZeroOneAdam exchanges gradients itself, but this model's parameters live "
+                    f"on a {p.device_mesh.size()}-rank FSDP mesh, so FSDP all-reduces them too. "
+                    "Build it with fsdpx.shard and optimizer.type = 'zero_one_adam' at "
+                    "zero.stage 0 in the config (not optimizer=callable)"
+                )
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(self._backward_hook)
+        self._attached = True
+
+    def _backward_hook(self, reduce_output: torch.Tensor) -> None:
+        self._restore_schedule()
+        if self.world_size > 1 and self.variance_step(self.schedule["step"] + 1):
+            counted.all_reduce(reduce_output, self.group)
+            reduce_output.div_(self.world_size)
+
+    def _exchange(self, p: torch.Tensor, x: torch.Tensor, v: torch.Tensor) -> None:
+        if self.world_size > 1:
+            if p not in self._errors:
+                self._errors[p] = OneBitState.zeros(x.numel(), self.world_size, x.device)
+            compressed_all_reduce(x, self._errors[p], self.group)
+        x.masked_fill_(v == 0, 0.0)  # [Note: zero-variance mask] in fsdpx/onebit_adam.py
+
+    def _average_grads(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        counted.all_reduce(flat, self.group)
+        flat.div_(self.world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One step over every parameter that has a gradient ([Note: 0/1 Adam's schedule]).
+        Returns the closure's loss, or None."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._restore_schedule()
+        sched = self.schedule
+        t = sched["step"] + 1
+        frozen = t > self.var_freeze_step
+        variance = self.variance_step(t)
+        if frozen and t == self.var_freeze_step + 1:
+            self._errors.clear()  # they compensated gradients; now they compensate momenta
+        sync = frozen and t % sched["local_interval"] == 0
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if variance and not self._attached and self.world_size > 1 and params:
+            self._average_grads([to_local(p.grad) for p in params])  # type: ignore[arg-type]
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local, grad = to_local(p), to_local(p.grad)
+                if local.dtype != torch.float32:
+                    raise TypeError(
+                        f"ZeroOneAdam keeps fp32 parameters (the compressed exchange is fp32); "
+                        f"got {local.dtype}. Use precision.param_dtype fp32 with a "
+                        "mixed-precision compute dtype instead"
+                    )
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(local)
+                    state["exp_avg_sq"] = torch.zeros_like(local)
+                    state["momentum_accumulator"] = torch.zeros_like(local)
+                    state["lrs"] = 0.0
+                self._stepped.append(state)
+                m, v, u = state["exp_avg"], state["exp_avg_sq"], state["momentum_accumulator"]
+                g = grad.float()
+                if variance:
+                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                elif not frozen:
+                    g = g.clone()
+                    self._exchange(p, g, v)
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                denom = v.sqrt().add_(eps)
+                update = m / denom
+                if wd > 0:
+                    update.add_(local, alpha=wd)
+                local.add_(update, alpha=-lr)
+                if frozen:
+                    u.add_(update, alpha=-lr)
+                    state["lrs"] += lr
+                if sync:
+                    local.sub_(u)  # back to the last synchronised point
+                    u.mul_(denom)
+                    self._exchange(p, u, v)
+                    m.copy_(u).div_(-state["lrs"])
+                    local.add_(u / denom)
+                    u.zero_()
+                    state["lrs"] = 0.0
+        sched["step"] = t
+        if variance:
+            sched["var_counter"] += 1
+            if sched["var_counter"] == self.var_update_scaler:
+                sched["var_counter"] = 0
+                sched["var_interval"] *= 2
+        if frozen:
+            sched["local_counter"] += 1
+            if sched["local_counter"] == self.local_step_scaler:
+                sched["local_counter"] = 0
+                sched["local_interval"] = min(self.local_step_clipper, 2 * sched["local_interval"])
+        for state in self._stepped:
+            state.update(sched)
+        self._stepped = []
+        return loss
+
+    def _restore_schedule(self) -> None:
+        """After a load the schedule is read back from the parameters' state, where each
+        step writes it (as DeepSpeed keeps it per parameter), so checkpoints carry it."""
+        if self.schedule["step"] != 0:
+            return
+        for state in self.state.values():
+            if "step" in state:
+                self.schedule = {k: int(state[k]) for k in _SCHEDULE_KEYS}
+                return
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.schedule = _fresh_schedule()
+        self._errors.clear()  # per-rank error feedback restarts at zero (module docstring)
+
+
+_SCHEDULE_KEYS = ("step", "var_interval", "var_counter", "local_interval", "local_counter")
+
+
+def _fresh_schedule() -> dict[str, int]:
+    return dict(step=0, var_interval=1, var_counter=0, local_interval=1, local_counter=0)
