@@ -101,7 +101,7 @@ def test_bf16_argument_with_a_config_that_has_no_bf16_is_a_mismatch() -> None:
 
 def test_refused_deepspeed_keys_give_from_deepspeeds_error() -> None:
     data = fill_deepspeed(
-        {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb", "params": {}}},
+        {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lion", "params": {}}},
         _args(),
         1,
         10,
