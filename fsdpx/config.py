@@ -65,9 +65,13 @@ class MeshConfig:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    sp: int = 1
+    """Sequence (context) parallel degree: each rank of an sp group holds seq/sp tokens of
+    the same samples (context_parallel.mode picks Ulysses or ring). FSDP shards over
+    dp_shard x sp; the batch rule uses dp = dp_replicate x dp_shard."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp"):
+        for name in ("dp_replicate", "tp", "pp", "sp"):
             v = getattr(self, name)
             _check(v >= 1, f"mesh.{name}", v, "an integer >= 1")
         _check(
@@ -386,6 +390,30 @@ class TensorParallelConfig:
             )
 
 
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """Long sequences: how mesh.sp splits attention, and tiled MLP / loss
+    (fsdpx/sequence/; used for attention when mesh.sp > 1, tiling at any sp)."""
+
+    mode: Literal["ulysses", "ring"] = "ulysses"
+    """ulysses: all-to-all around the attention call (heads must divide by sp); ring:
+    torch's context_parallel ring attention (CUDA SDPA backends only)."""
+    pad: bool = True
+    """Sequences whose length sp does not divide are padded (with a warning) by
+    fsdpx.sequence.shard_batch; False makes that an error."""
+    mlp_tile_tokens: int = 0
+    """Tiled MLP: run each block's `mlp` over tiles of this many tokens, recomputing
+    each tile in backward (ALST's TiledMLP); 0: untiled."""
+    loss_tile_tokens: int = 0
+    """Tiled loss (fsdpx.sequence.tiled_loss_fn): tokens per cross-entropy tile, so no
+    full-vocabulary logits of the whole local sequence exist at once; 0: untiled."""
+
+    def __post_init__(self) -> None:
+        for key in ("mlp_tile_tokens", "loss_tile_tokens"):
+            v = getattr(self, key)
+            _check(v >= 0, f"context_parallel.{key}", v, "an integer >= 0 (0: untiled)")
+
+
 PIPELINE_SCHEDULES = (
     "GPipe",
     "1F1B",
@@ -550,6 +578,7 @@ class Config:
     )
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -13,6 +13,7 @@ Built by `fsdpx.shard`; not meant to be constructed directly.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
 
 if TYPE_CHECKING:
+    from fsdpx.sequence.plan import SequencePlan
     from fsdpx.telemetry.publisher import Publisher
 
 
@@ -73,6 +75,7 @@ class Engine:
         pipeline: PipelineRunner | None = None,
         telemetry: Publisher | None = None,
         optimizer_step: OptimizerStep | None = None,
+        sequence: SequencePlan | None = None,
     ) -> None:
         # One object, two static types: FSDPModule is a mixin that type checkers do not
         # see as an nn.Module.
@@ -109,6 +112,9 @@ class Engine:
         self._boundary_override: bool | None = None
         self._no_sync = False
         self._sync_changed = False
+        # mesh.sp > 1: batches are split by sequence, attention exchanged, and the loss is
+        # each rank's share ([Note: sp gradient scale] in fsdpx/sequence/plan.py).
+        self._sequence = sequence
 
     # --- forward / backward / step ----------------------------------------------------
 
@@ -117,7 +123,11 @@ class Engine:
 
     @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self._sequence_context():
+            return self.module(*args, **kwargs)
+
+    def _sequence_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self._sequence.context() if self._sequence else contextlib.nullcontext()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the coming backward/step is the last micro-step of an optimizer step."""
@@ -157,6 +167,8 @@ class Engine:
         factor = self.loss_scaler.scale
         if divide_by_accumulation:
             factor /= self.config.gradient_accumulation_steps
+        if self._sequence is not None:
+            factor *= self._sequence.size  # [Note: sp gradient scale]
         with loss_context(self._loss_parallel):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         if self.telemetry is not None:
@@ -220,7 +232,7 @@ class Engine:
                 loss = self._loss_of(next(data_iter))
             self.backward(loss)
             self.step()
-            total += plain_loss(loss).detach().float()
+            total += self._whole_loss(plain_loss(loss).detach().float())
         return self.all_reduce_mean(total / self.config.gradient_accumulation_steps)
 
     @guarded
@@ -245,13 +257,19 @@ class Engine:
             with torch.no_grad():
                 for _ in range(gas):
                     with loss_context(self._loss_parallel):
-                        total += plain_loss(self._loss_of(next(data_iter))).float()
+                        total += self._whole_loss(plain_loss(self._loss_of(next(data_iter))))
             return self.all_reduce_mean(total / gas)
         finally:
             for m, mode in zip(modules, was_training, strict=True):
                 m.train(mode)
 
+    def _whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # Under sp each rank holds a share of the sequence's loss: report their sum.
+        return self._sequence.sum_shares(loss) if self._sequence else loss.float()
+
     def _loss_of(self, batch: Any) -> torch.Tensor:
+        if self._sequence is not None:
+            return self._sequence.loss(self.module, self.loss_fn, batch)
         if isinstance(batch, dict):
             return self.module(**batch)
         inputs, targets = batch
