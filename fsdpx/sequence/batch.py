@@ -114,7 +114,7 @@ def _shard(
             continue
         if padded != seq:
             value = _pad(value, name, padded - seq, pad_token_id)
-        out[name] = value.chunk(size, dim=1)[rank]
+        out[name] = value.chunk(size, dim=1)[rank].contiguous()
     return out
 
 
