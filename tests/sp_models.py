@@ -69,6 +69,10 @@ class TinyLlama(nn.Module):
         self.head_dim = dim // heads
 
     def forward(self, input_ids: Tensor, *, position_ids: Tensor | None = None) -> Tensor:
+        return self.lm_head(self.hidden(input_ids, position_ids=position_ids))
+
+    def hidden(self, input_ids: Tensor, *, position_ids: Tensor | None = None) -> Tensor:
+        """The final hidden states (after the last norm), for a tiled loss."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
@@ -78,4 +82,4 @@ class TinyLlama(nn.Module):
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)

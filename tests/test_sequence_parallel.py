@@ -59,6 +59,8 @@ class TestUlyssesFourRanks:
             "sp4_gqa_kv2": {"model": "llama_kv2", "seq": 16, "mesh": {"sp": 4}},
             "sp2_dp2_gpt": {"model": "gpt", "seq": 16, "mesh": {"sp": 2}, "dp": 2},
             "sp2_dp2_gqa": {"model": "llama_kv2", "seq": 12, "mesh": {"sp": 2}, "dp": 2},
+            # TP 2 first (2 query heads, 1 kv head per tp rank), then Ulysses over sp 2.
+            "sp2_tp2_gqa": {"model": "llama_kv2", "seq": 12, "mesh": {"sp": 2, "tp": 2}},
         }
         results = run_ranks(sp_bodies.sweep_body, self.world_size, args=(cases,))
         _check(results, cases)
