@@ -403,15 +403,16 @@ class ContextParallelConfig:
     fsdpx.sequence.shard_batch; False makes that an error."""
     mlp_tile_tokens: int = 0
     """Tiled MLP: run each block's `mlp` over tiles of this many tokens, recomputing
-    each tile in backward (ALST's TiledMLP); 0: untiled."""
-    loss_tile_tokens: int = 0
-    """Tiled loss (fsdpx.sequence.tiled_loss_fn): tokens per cross-entropy tile, so no
-    full-vocabulary logits of the whole local sequence exist at once; 0: untiled."""
+    each tile in backward (ALST's TiledMLP); 0: untiled. (The tiled loss is a function,
+    fsdpx.sequence.tiled_loss_fn, with its tile size as an argument.)"""
 
     def __post_init__(self) -> None:
-        for key in ("mlp_tile_tokens", "loss_tile_tokens"):
-            v = getattr(self, key)
-            _check(v >= 0, f"context_parallel.{key}", v, "an integer >= 0 (0: untiled)")
+        _check(
+            self.mlp_tile_tokens >= 0,
+            "context_parallel.mlp_tile_tokens",
+            self.mlp_tile_tokens,
+            "an integer >= 0 (0: untiled)",
+        )
 
 
 PIPELINE_SCHEDULES = (

@@ -108,7 +108,9 @@ def shard(
     hf_model = is_hf_model(model)
     mesh = dims.build_mesh(info.device.type)
     # Sub-mesh groups default to a 30-minute timeout; a dead peer must fail within ours.
-    set_process_group_timeouts(cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh))
+    set_process_group_timeouts(
+        cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh), ParallelDims.fsdp_mesh(mesh)
+    )
     built = parallelize(
         model,
         find_blocks(model, cfg.zero.block_classes),

@@ -112,3 +112,14 @@ def test_settings_sp_refuses() -> None:
     with pytest.raises(ValueError, match=r"plain takes no num_items_in_batch\. Pass fsdpx\.shard"):
         check_sequence_config(sp, _dims(sp, 2), device=cpu, loss_fn=plain)
     check_sequence_config(sp, _dims(sp, 2), device=cpu, loss_fn=loss_fn)
+
+
+def test_context_parallel_config_is_strict() -> None:
+    with pytest.raises(
+        ValueError, match=r"'context_parallel\.mlp_tile_tokens' must be an integer >= 0"
+    ):
+        Config.from_dict({"context_parallel": {"mlp_tile_tokens": -1}})
+    with pytest.raises(ValueError, match=r"mesh\.sp"):
+        Config.from_dict({"mesh": {"sp": 0}})
+    with pytest.raises(ValueError, match=r"context_parallel\.mode"):
+        Config.from_dict({"context_parallel": {"mode": "zigzag"}})

@@ -60,7 +60,7 @@ def tiled_loss_fn(
         hidden: (batch, seq, dim) final hidden states (after the last norm).
         head_weight: (vocab, dim) the output projection's weight (no bias).
         labels, num_items_in_batch, ignore_index: as loss_fn.
-        tile_tokens: tokens per tile along seq (context_parallel.loss_tile_tokens).
+        tile_tokens: tokens per tile along seq.
     Returns:
         The same value as loss_fn on the full logits (to fp32 tolerance).
 
