@@ -122,7 +122,43 @@ def fsdpx_run(case: dict[str, Any]) -> dict[str, Any]:
 
 def sweep_body(rank: int, world_size: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     del rank, world_size
-    return {name: fsdpx_run(case) for name, case in cases.items()}
+    out: dict[str, Any] = {name: fsdpx_run(case) for name, case in cases.items()}
+    out["user_kernel"] = user_kernel_check()
+    return out
+
+
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """A user's own attention kernel (plain softmax attention), SDPA's layout."""
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        s = q.shape[-2]
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def user_kernel_check() -> dict[str, torch.Tensor]:
+    """ulysses_attention around a user kernel: this rank's output rows and input gradients
+    on its shard of a sequence, and the whole-sequence ones (for the test to compare)."""
+    import torch.distributed as dist
+
+    from fsdpx.sequence import ulysses_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = [t.chunk(world, dim=2)[rank].clone().requires_grad_() for t in (q, k, v)]
+    attn = ulysses_attention(_kernel, dist.group.WORLD)
+    out = attn(*local, causal=True)
+    out.backward(torch.ones_like(out))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _kernel(*full, causal=True)
+    ref.backward(torch.ones_like(ref))
+    return {
+        "out": out.detach(),
+        "ref": ref.detach().chunk(world, dim=2)[rank],
+        "grads": torch.stack([t.grad for t in local]),
+        "ref_grads": torch.stack([t.grad.chunk(world, dim=2)[rank] for t in full]),
+    }
 
 
 def copy_case(case: dict[str, Any], **changes: Any) -> dict[str, Any]:

@@ -48,6 +48,11 @@ class TestUlyssesTwoRanks:
         }
         results = run_ranks(sp_bodies.sweep_body, self.world_size, args=(cases,))
         _check(results, cases)
+        # A user's own kernel wrapped with fsdpx.sequence.ulysses_attention.
+        for r in results:
+            kernel = r["user_kernel"]
+            assert_close(kernel["out"], kernel["ref"])
+            assert_close(kernel["grads"], kernel["ref_grads"])
 
 
 @pytest.mark.slow
