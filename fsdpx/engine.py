@@ -216,7 +216,10 @@ class Engine:
         their own loss). A dict batch is passed as keyword arguments. Returns the mean
         loss over the micro-steps and the data-parallel ranks (the global batch loss).
         Under pipeline parallelism the micro-batches run through the schedule (the last
-        stage calls loss_fn) and every rank gets the loss.
+        stage calls loss_fn) and every rank gets the loss. Under mesh.sp > 1 each batch
+        holds whole sequences: fsdpx.sequence.shard_batch splits it, the model gets
+        `position_ids=`, loss_fn is called with `num_items_in_batch=`, and the loss
+        returned is the whole sequences' (fsdpx/sequence/plan.py).
         """
         if self._pipeline is not None:
             batches = [next(data_iter) for _ in range(self.config.gradient_accumulation_steps)]

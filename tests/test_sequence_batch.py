@@ -123,3 +123,12 @@ def test_context_parallel_config_is_strict() -> None:
         Config.from_dict({"mesh": {"sp": 0}})
     with pytest.raises(ValueError, match=r"context_parallel\.mode"):
         Config.from_dict({"context_parallel": {"mode": "zigzag"}})
+
+
+def test_sequence_is_reachable_from_a_bare_import() -> None:
+    import subprocess
+    import sys
+
+    code = "import fsdpx; print(fsdpx.sequence.loss_fn.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "loss_fn"
