@@ -37,11 +37,21 @@ from torch.overrides import TorchFunctionMode
 
 from fsdpx.sequence._comm import all_to_all
 
-_SDPA_SIGNATURE = inspect.signature(
-    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: (
-        None
-    )  # noqa: E501
-)
+
+def _sdpa_arguments(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> None:
+    """F.scaled_dot_product_attention's parameters, to bind a call's arguments by name."""
+
+
+_SDPA_SIGNATURE = inspect.signature(_sdpa_arguments)
 
 
 def check_heads(q_heads: int, kv_heads: int, sp: int) -> None:
