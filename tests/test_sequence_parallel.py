@@ -66,6 +66,13 @@ class TestUlyssesFourRanks:
             "sp2_dp2_gqa": {"model": "llama_kv2", "seq": 12, "mesh": {"sp": 2}, "dp": 2},
             # TP 2 first (2 query heads, 1 kv head per tp rank), then Ulysses over sp 2.
             "sp2_tp2_gqa": {"model": "llama_kv2", "seq": 12, "mesh": {"sp": 2, "tp": 2}},
+            # HSDP: replicate over 2, shard over dp_shard (1) x sp (2).
+            "sp2_hsdp2_gpt": {
+                "model": "gpt",
+                "seq": 16,
+                "mesh": {"sp": 2, "dp_replicate": 2},
+                "dp": 2,
+            },
         }
         results = run_ranks(sp_bodies.sweep_body, self.world_size, args=(cases,))
         _check(results, cases)
