@@ -83,7 +83,14 @@ if TYPE_CHECKING:
     from fsdpx.sharding import shard
 
 
+# Subpackages reachable as `fsdpx.<name>` after a bare `import fsdpx` (documented usage:
+# `fsdpx.shard(model, cfg, loss_fn=fsdpx.sequence.loss_fn)`).
+_SUBPACKAGES = ("sequence",)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"fsdpx.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fsdpx' has no attribute {name!r}")
@@ -93,4 +100,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))

@@ -6,6 +6,7 @@ parameter names, and with them checkpoints and state dicts, stay the same.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -43,12 +44,37 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context() -> Any:
-    return create_selective_checkpoint_contexts(_save_matmuls)
+def _contexts(
+    selective: bool,
+    recompute_context: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """checkpoint's (forward, recompute) contexts: the selective policy's and/or ours."""
+    forward: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    recompute: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if selective:
+        forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+    if recompute_context is None:
+        return forward, recompute
+    stack = contextlib.ExitStack()
+    inner = recompute
+    outer = recompute_context
+
+    class _Both(contextlib.AbstractContextManager[Any]):
+        def __enter__(self) -> Any:
+            stack.enter_context(outer())
+            return stack.enter_context(inner)
+
+        def __exit__(self, *exc: Any) -> Any:
+            return stack.__exit__(*exc)
+
+    return forward, _Both()
 
 
 def apply_activation_checkpointing(
-    blocks: Sequence[nn.Module], cfg: ActivationCheckpointConfig
+    blocks: Sequence[nn.Module],
+    cfg: ActivationCheckpointConfig,
+    *,
+    recompute_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> list[nn.Module]:
     """Checkpoint the blocks `cfg.mode` selects, in place; returns the checkpointed blocks.
 
@@ -56,6 +82,9 @@ def apply_activation_checkpointing(
         blocks: the model's blocks in order (fsdpx.blocks.find_blocks).
         cfg: full: every block; every_n: blocks 0, n, 2n, ...; selective: every block,
             keeping matmul and attention outputs; none: nothing.
+        recompute_context: makes a context entered around each recompute in backward.
+            Torch function modes active in forward are not active there (autograd runs
+            the recompute outside them), so Ulysses' UlyssesSDPA comes back this way.
     Returns:
         The blocks that were checkpointed.
 
@@ -74,8 +103,9 @@ def apply_activation_checkpointing(
         )
     chosen = list(blocks[:: cfg.every_n] if cfg.mode == "every_n" else blocks)
     apply: Callable[[nn.Module], Any] = checkpoint
-    if cfg.mode == "selective":
-        apply = partial(checkpoint, context_fn=_selective_context)
+    if cfg.mode == "selective" or recompute_context is not None:
+        selective = cfg.mode == "selective"
+        apply = partial(checkpoint, context_fn=partial(_contexts, selective, recompute_context))
     for block in chosen:
         apply(block)
     return chosen

@@ -65,9 +65,13 @@ class MeshConfig:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    sp: int = 1
+    """Sequence (context) parallel degree: each rank of an sp group holds seq/sp tokens of
+    the same samples (context_parallel.mode picks Ulysses or ring). FSDP shards over
+    dp_shard x sp; the batch rule uses dp = dp_replicate x dp_shard."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp"):
+        for name in ("dp_replicate", "tp", "pp", "sp"):
             v = getattr(self, name)
             _check(v >= 1, f"mesh.{name}", v, "an integer >= 1")
         _check(
@@ -432,6 +436,31 @@ class TensorParallelConfig:
             )
 
 
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """Long sequences: how mesh.sp splits attention, and tiled MLP / loss
+    (fsdpx/sequence/; used for attention when mesh.sp > 1, tiling at any sp)."""
+
+    mode: Literal["ulysses", "ring"] = "ulysses"
+    """ulysses: all-to-all around the attention call (heads must divide by sp); ring:
+    torch's context_parallel ring attention (CUDA SDPA backends only)."""
+    pad: bool = True
+    """Sequences whose length sp does not divide are padded (with a warning) by
+    fsdpx.sequence.shard_batch; False makes that an error."""
+    mlp_tile_tokens: int = 0
+    """Tiled MLP: run each block's `mlp` over tiles of this many tokens, recomputing
+    each tile in backward (ALST's TiledMLP); 0: untiled. (The tiled loss is a function,
+    fsdpx.sequence.tiled_loss_fn, with its tile size as an argument.)"""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.mlp_tile_tokens >= 0,
+            "context_parallel.mlp_tile_tokens",
+            self.mlp_tile_tokens,
+            "an integer >= 0 (0: untiled)",
+        )
+
+
 PIPELINE_SCHEDULES = (
     "GPipe",
     "1F1B",
@@ -596,6 +625,7 @@ class Config:
     )
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -13,6 +13,7 @@ Built by `fsdpx.shard`; not meant to be constructed directly.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
 
 if TYPE_CHECKING:
+    from fsdpx.sequence.plan import SequencePlan
     from fsdpx.telemetry.publisher import Publisher
 
 
@@ -74,6 +76,7 @@ class Engine:
         pipeline: PipelineRunner | None = None,
         telemetry: Publisher | None = None,
         optimizer_step: OptimizerStep | None = None,
+        sequence: SequencePlan | None = None,
     ) -> None:
         # One object, two static types: FSDPModule is a mixin that type checkers do not
         # see as an nn.Module.
@@ -112,6 +115,9 @@ class Engine:
         self._boundary_override: bool | None = None
         self._no_sync = False
         self._sync_changed = False
+        # mesh.sp > 1: batches are split by sequence, attention exchanged, and the loss is
+        # each rank's share ([Note: sp gradient scale] in fsdpx/sequence/plan.py).
+        self._sequence = sequence
 
     # --- forward / backward / step ----------------------------------------------------
 
@@ -121,10 +127,14 @@ class Engine:
     @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         token = self._clock.begin(FORWARD)
-        with autocast_context(self.config.precision.autocast, self.device):
+        autocast = autocast_context(self.config.precision.autocast, self.device)
+        with autocast, self._sequence_context():
             out = self.module(*args, **kwargs)
         self._clock.end(FORWARD, token)
         return out
+
+    def _sequence_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self._sequence.context() if self._sequence else contextlib.nullcontext()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the coming backward/step is the last micro-step of an optimizer step."""
@@ -164,6 +174,8 @@ class Engine:
         factor = self.loss_scaler.scale
         if divide_by_accumulation:
             factor /= self.config.gradient_accumulation_steps
+        if self._sequence is not None:
+            factor *= self._sequence.size  # [Note: sp gradient scale]
         token = self._clock.begin(BACKWARD)
         with loss_context(self._loss_parallel):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -215,7 +227,10 @@ class Engine:
         their own loss). A dict batch is passed as keyword arguments. Returns the mean
         loss over the micro-steps and the data-parallel ranks (the global batch loss).
         Under pipeline parallelism the micro-batches run through the schedule (the last
-        stage calls loss_fn) and every rank gets the loss.
+        stage calls loss_fn) and every rank gets the loss. Under mesh.sp > 1 each batch
+        holds whole sequences: fsdpx.sequence.shard_batch splits it, the model gets
+        `position_ids=`, loss_fn is called with `num_items_in_batch=`, and the loss
+        returned is the whole sequences' (fsdpx/sequence/plan.py).
         """
         if self._pipeline is not None:
             # Forward and backward interleave inside the schedule: only data wait and
@@ -235,7 +250,7 @@ class Engine:
                 loss = self._timed_loss(next_batch(data_iter))
             self.backward(loss)
             self.step()
-            total += plain_loss(loss).detach().float()
+            total += self._whole_loss(plain_loss(loss).detach().float())
         return self.all_reduce_mean(total / self.config.gradient_accumulation_steps)
 
     @guarded
@@ -260,7 +275,7 @@ class Engine:
             with torch.no_grad():
                 for _ in range(gas):
                     with loss_context(self._loss_parallel):
-                        total += plain_loss(self._loss_of(next(data_iter))).float()
+                        total += self._whole_loss(plain_loss(self._loss_of(next(data_iter))))
             return self.all_reduce_mean(total / gas)
         finally:
             for m, mode in zip(modules, was_training, strict=True):
@@ -272,11 +287,17 @@ class Engine:
         self._clock.end(FORWARD, token)
         return loss
 
+    def _whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # Under sp each rank holds a share of the sequence's loss: report their sum.
+        return self._sequence.sum_shares(loss) if self._sequence else loss.float()
+
     def _loss_of(self, batch: Any) -> torch.Tensor:
         with autocast_context(self.config.precision.autocast, self.device):
             return self._loss_of_batch(batch)
 
     def _loss_of_batch(self, batch: Any) -> torch.Tensor:
+        if self._sequence is not None:
+            return self._sequence.loss(self.module, self.loss_fn, batch)
         if isinstance(batch, dict):
             return self.module(**batch)
         inputs, targets = batch

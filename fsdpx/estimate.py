@@ -261,7 +261,8 @@ def estimate_memory(
     """
     cfg = cfg or Config()
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, world_size), cfg.zero)
-    shard = dims.dp_shard
+    # FSDP shards over dp_shard x sp (the sp ranks hold the same weights).
+    shard = dims.dp_shard * dims.sp
     if isinstance(model_or_num_params, nn.Module):
         shapes = param_shapes(model_or_num_params, cfg.zero.block_classes)
     else:

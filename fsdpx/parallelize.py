@@ -66,6 +66,7 @@ from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner, build_runner, split_stages
 from fsdpx.pipeline_split import merged_view
 from fsdpx.precision import mp_policy
+from fsdpx.sequence.apply import apply_sequence_parallel
 from fsdpx.tensor_parallel import apply_tensor_parallel, build_plan, check_plan
 from fsdpx.tp_plans import TPPlan
 from fsdpx.zero import apply_zero
@@ -219,10 +220,14 @@ def parallelize_part(
             first_block=block_names[0],
             last_block=block_names[-1],
         )
-    # Context parallelism (mesh.sp), then expert parallelism (mesh.ep), go here when they
-    # land ([Note: recipe order]).
+    # Sequence parallelism (mesh.sp; Hugging Face models: their attention registry, native
+    # models: the engine's UlyssesSDPA mode) and tiled MLP; expert parallelism (mesh.ep)
+    # goes after them when it lands ([Note: recipe order]).
+    recompute_context = apply_sequence_parallel(part, list(blocks), cfg=cfg, mesh=mesh)
     # 2. Activation checkpointing.
-    apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
+    apply_activation_checkpointing(
+        blocks, cfg.activation_checkpointing, recompute_context=recompute_context
+    )
     # 3. Compile, block by block.
     if cfg.compile:
         for block in blocks:

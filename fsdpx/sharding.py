@@ -34,6 +34,8 @@ from fsdpx.parallelize import parallelize
 from fsdpx.param_groups import name_groups, resolve_groups
 from fsdpx.precision import build_loss_scaler
 from fsdpx.schedulers import build_scheduler
+from fsdpx.sequence.hf import is_hf_model
+from fsdpx.sequence.plan import build_sequence_plan, check_sequence_config
 from fsdpx.telemetry.start import start_telemetry
 from fsdpx.zero import dims_for_stage
 from fsdpx.zero_one_adam import ZeroOneAdam
@@ -103,9 +105,14 @@ def shard(
     named_groups = name_groups(model, param_groups) if param_groups is not None else None
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
+    # Before the mesh (and its groups) exist: every rank raises the same error.
+    check_sequence_config(cfg, dims, device=info.device, loss_fn=loss_fn, model=model)
+    hf_model = is_hf_model(model)
     mesh = dims.build_mesh(info.device.type)
     # Sub-mesh groups default to a 30-minute timeout; a dead peer must fail within ours.
-    set_process_group_timeouts(cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh))
+    set_process_group_timeouts(
+        cfg.timeout_s, mesh, ParallelDims.dp_mesh(mesh), ParallelDims.fsdp_mesh(mesh)
+    )
     built = parallelize(
         model,
         find_blocks(model, cfg.zero.block_classes),
@@ -143,6 +150,7 @@ def shard(
             pipeline=built.pipeline,
             telemetry=start_telemetry(cfg, info, model, opt),
             optimizer_step=offloaded.step,
+            sequence=build_sequence_plan(cfg, dims, mesh, hf_model=hf_model),
         )
     except BaseException:
         # An offloaded optimizer holds a locked swap file and hooks: release them, or a

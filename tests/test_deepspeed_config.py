@@ -564,3 +564,23 @@ def test_table_rules_are_well_formed() -> None:
             assert rule.note and rule.tag, key
         if rule.action == "refused":
             assert rule.note, key
+
+
+def test_sequence_parallel_size_maps_to_mesh_sp_and_divides_the_batch_rule() -> None:
+    # 8 ranks, sp 2: 4 data-parallel ranks in DeepSpeed's batch rule (16 = 2 x 2 x 4).
+    cfg = Config.from_deepspeed(
+        {
+            "train_batch_size": 16,
+            "train_micro_batch_size_per_gpu": 2,
+            "sequence_parallel_size": 2,
+        },
+        world_size=8,
+    )
+    assert cfg.mesh.sp == 2
+    assert cfg.gradient_accumulation_steps == 2
+    with pytest.raises(
+        ValueError,
+        match=r"world size 6 is not divisible by pipeline stages \(1\) x tensor-parallel size "
+        r"\(1\) x sequence-parallel size \(4\); launch a multiple of 4 ranks",
+    ):
+        Config.from_deepspeed({"train_batch_size": 6, "sequence_parallel_size": 4}, world_size=6)

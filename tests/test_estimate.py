@@ -279,3 +279,12 @@ def test_offload_placement_matches_the_tensors_offload_allocates(
     else:
         assert r["est_host"] == 1 << 20 >= r["host_buffers"]
         assert r["est_nvme"] == 3 * 4 * r["total_numel"] + r["steps"] <= r["file_bytes"]
+
+
+def test_sp_ranks_share_the_shards() -> None:
+    # ZeRO-3 over dp_shard x sp: 8 ranks with sp 2 shard like 8 ranks without it.
+    plain = fsdpx.estimate_memory(1_000_000, Config.from_dict({"zero": {"stage": 3}}), 8)
+    sp = fsdpx.estimate_memory(
+        1_000_000, Config.from_dict({"zero": {"stage": 3}, "mesh": {"sp": 2}}), 8
+    )
+    assert sp.device_model_states == plain.device_model_states

@@ -25,7 +25,7 @@ from tests.dist import run_ranks
 )
 def test_from_config_infers_dp_shard(mesh: MeshConfig, world: int, shape: tuple[int, ...]) -> None:
     dims = ParallelDims.from_config(mesh, world_size=world)
-    assert dims.shape == shape
+    assert dims.shape == (*shape[:3], 1, shape[3])  # sp (size 1) sits before tp
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == shape
     assert dims.world_size == world
     assert dims.dp == shape[1] * shape[2]
@@ -85,6 +85,27 @@ def _mesh_body(rank: int, world_size: int) -> dict[str, Any]:
             "dp_sum": summed.item(),
             "shard_sum": in_shard_group.item(),
         }
+    # sp = 2 on 4 ranks: (pp, dp_replicate, dp_shard, sp, tp) = (1, 1, 2, 2, 1).
+    dims = ParallelDims.from_config(MeshConfig(sp=2), world_size)
+    mesh = dims.build_mesh("cpu")
+    fsdp = ParallelDims.fsdp_mesh(mesh)
+    dp = ParallelDims.dp_mesh(mesh)
+    sums = {}
+    for key, group in {
+        "fsdp": fsdp.get_group(),
+        "dp": dp.get_group(),
+        "sp": mesh[Axis.SP.value].get_group(),
+    }.items():
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        sums[key] = t.item()
+    out["sp"] = {
+        "dims": (dims.dp_shard, dims.sp, dims.dp),
+        "fsdp_names": fsdp.mesh_dim_names,
+        "fsdp_size": fsdp.size(),
+        "dp_size": dp.size(),
+        "sums": sums,
+    }
     return out
 
 
@@ -94,7 +115,7 @@ class TestBuildMesh:
     def test_named_meshes(self) -> None:
         # One spawn sweeps plain FSDP (1 x 4) and HSDP (2 x 2).
         results = run_ranks(_mesh_body, self.world_size)
-        world_names = ("pp", "dp_replicate", "dp_shard", "tp")
+        world_names = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
         for rank, r in enumerate(results):
             fsdp, hsdp = r["fsdp"], r["hsdp"]
             assert fsdp["names"] == hsdp["names"] == world_names
@@ -105,13 +126,35 @@ class TestBuildMesh:
             assert fsdp["dp_size"] == hsdp["dp_size"] == 4
             assert fsdp["dp_sum"] == hsdp["dp_sum"] == 0 + 1 + 2 + 3
 
-            assert fsdp["shape"] == (1, 1, 4, 1)
+            assert fsdp["shape"] == (1, 1, 4, 1, 1)
             assert fsdp["fsdp_shape"] == (4,)
             assert fsdp["fsdp_ranks"] == [0, 1, 2, 3]
             assert fsdp["shard_sum"] == 6
 
             # HSDP: shard within {0, 1} and {2, 3}, replicate across them.
-            assert hsdp["shape"] == (1, 2, 2, 1)
+            assert hsdp["shape"] == (1, 2, 2, 1, 1)
             assert hsdp["fsdp_shape"] == (2, 2)
             assert hsdp["fsdp_ranks"] == [[0, 1], [2, 3]]
             assert hsdp["shard_sum"] == (1 if rank < 2 else 5)
+
+            # sp = 2: FSDP shards over all 4 ranks (dp_shard x sp); the sp ranks {0, 1},
+            # {2, 3} see the same samples, so the data-parallel groups are {0, 2}, {1, 3}.
+            sp = r["sp"]
+            assert sp["dims"] == (2, 2, 2)
+            assert sp["fsdp_names"] == ("dp_shard_sp",)
+            assert sp["fsdp_size"] == 4 and sp["dp_size"] == 2
+            assert sp["sums"] == {
+                "fsdp": 6,
+                "dp": (2 if rank % 2 == 0 else 4),
+                "sp": (1 if rank < 2 else 5),
+            }
+
+
+def test_sp_divides_the_world_or_the_error_names_it() -> None:
+    assert ParallelDims.from_config(MeshConfig(sp=2, tp=2), 8).dp_shard == 2
+    with pytest.raises(
+        ValueError,
+        match=r"^cannot infer mesh\.dp_shard: world size 6 is not divisible by pp\(1\) \* "
+        r"dp_replicate\(1\) \* sp\(4\) \* tp\(1\) = 4;",
+    ):
+        ParallelDims.from_config(MeshConfig(sp=4), 6)

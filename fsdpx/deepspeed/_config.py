@@ -466,20 +466,27 @@ class _Translator:
     def _parallel_and_batch(self) -> None:
         pp = self._positive("pipeline.stages", "mesh.pp")
         tp = self._positive("tensor_parallel.autotp_size", "mesh.tp")
+        # Sequence-parallel ranks see the same samples: DeepSpeed divides the world by
+        # sequence_parallel_size in its batch rule too.
+        sp = self._positive("sequence_parallel_size", "mesh.sp")
         mics = self.leaves.get("zero_optimization.mics_shard_size")
-        if self.world_size % (pp * tp):
+        if self.world_size % (pp * tp * sp):
             key = "pipeline.stages" if pp > 1 else "tensor_parallel.autotp_size"
+            if sp > 1:
+                key = "sequence_parallel_size"
             # _positive already filed this key as "mapped"; the error replaces that row.
             del self.rows[key]
+            sp_part = f" x sequence-parallel size ({sp})" if sp > 1 else ""
             self._error(
                 key,
-                pp if pp > 1 else tp,
+                {"pipeline.stages": pp, "sequence_parallel_size": sp}.get(key, tp),
                 f"world size {self.world_size} is not divisible by pipeline stages ({pp}) x "
-                f"tensor-parallel size ({tp}); launch a multiple of {pp * tp} ranks or make "
-                "pipeline.stages x tensor_parallel.autotp_size divide the world size",
+                f"tensor-parallel size ({tp}){sp_part}; launch a multiple of {pp * tp * sp} "
+                "ranks or make pipeline.stages x tensor_parallel.autotp_size"
+                f"{' x sequence_parallel_size' if sp > 1 else ''} divide the world size",
             )
             return
-        dp = self.world_size // (pp * tp)
+        dp = self.world_size // (pp * tp * sp)
         if (
             isinstance(mics, int)
             and mics > 0

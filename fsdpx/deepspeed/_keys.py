@@ -218,8 +218,10 @@ def _table() -> dict[str, KeyRule]:
             "DeepSpeed's sparse attention kernels are not supported; use your model's "
             "attention (e.g. torch's scaled_dot_product_attention)"
         ),
-        "sequence_parallel_size": _refused(
-            "Ulysses sequence parallelism is not implemented; use 1", 1
+        "sequence_parallel_size": _mapped(
+            "Ulysses sequence parallelism over mesh.sp (fsdpx.sequence); the batch rule "
+            "divides the world by it",
+            "mesh.sp",
         ),
         "data_types": _refused(
             "FSDP2 sets the gradient accumulation dtype (fp32 sharded gradients at stages "

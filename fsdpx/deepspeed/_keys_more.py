@@ -80,7 +80,9 @@ def more_rules() -> dict[str, Rule]:
             True,
         ),
         "seq_parallel_communication_data_type": _ignored(
-            "read only with sequence_parallel_size > 1, which fsdpx refuses", _NA
+            "fsdpx's Ulysses all-to-all sends q/k/v and the attention output in the "
+            "model's compute dtype (precision.param_dtype)",
+            "compute dtype",
         ),
         "use_data_before_expert_parallelism": _refused(f"{_NO_EP}; remove the key", False),
         "expert_parallel": _refused(f"{_NO_EP} (AutoEP); remove the block", {}, {"enabled": False}),

@@ -147,10 +147,16 @@ class GPT(nn.Module):
         """Re-draw every parameter from torch's RNG in a fixed module order (no-op on meta)."""
         self.apply(init_weights)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
-        """Logits ``(batch, seq, vocab)`` for ``idx``, or the mean cross-entropy vs ``targets``."""
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, *, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """Logits ``(batch, seq, vocab)`` for ``idx``, or the mean cross-entropy vs ``targets``.
+
+        ``position_ids`` (batch, seq): the tokens' positions in the whole sequence, when
+        ``idx`` is one shard of it (sequence parallelism, fsdpx.sequence); default 0..seq-1.
+        """
         seq = idx.shape[1]
-        if seq > self.config.block_size:
+        if position_ids is None and seq > self.config.block_size:
             raise ValueError(
                 f"sequence length {seq} exceeds block_size {self.config.block_size}; "
                 "crop the input or build the model with a larger GPTConfig.block_size"
@@ -159,7 +165,7 @@ class GPT(nn.Module):
         # pipeline_split): later stages take hidden states instead of token ids.
         x = idx
         if self.wte is not None:
-            pos = torch.arange(seq, device=idx.device)
+            pos = torch.arange(seq, device=idx.device) if position_ids is None else position_ids
             x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

@@ -1,0 +1,38 @@
+"""The sequence step of the parallelize recipe (TP -> SP/CP -> EP -> AC -> compile -> FSDP)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdpx.config import Config
+from fsdpx.parallel_dims import Axis
+from fsdpx.sequence.hf import is_hf_model, patch_hf_attention
+from fsdpx.sequence.tiled import apply_tiled_mlp
+from fsdpx.sequence.ulysses import UlyssesSDPA
+
+
+def apply_sequence_parallel(
+    part: nn.Module, blocks: Sequence[nn.Module], *, cfg: Config, mesh: DeviceMesh
+) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+    """Tile the blocks' MLPs (context_parallel.mlp_tile_tokens) and, under mesh.sp > 1,
+    route a Hugging Face model's attention through Ulysses, in place.
+
+    Returns:
+        For a native model under mesh.sp > 1, what activation checkpointing must enter
+        around each recompute (UlyssesSDPA: the engine enters it for forward; see
+        [Note: Ulysses for native models]); else None.
+    """
+    apply_tiled_mlp(blocks, cfg.context_parallel.mlp_tile_tokens)
+    sp = mesh[Axis.SP.value]
+    if sp.size() == 1:
+        return None
+    if is_hf_model(part):
+        patch_hf_attention(part, sp.get_group(), tp=mesh[Axis.TP.value].size())
+        return None
+    return partial(UlyssesSDPA, sp.get_group())
