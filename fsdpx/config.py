@@ -65,9 +65,12 @@ class MeshConfig:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (DeepSpeed's ep_size): carved out of dp_shard, which it must
+    divide; it does not change the data-parallel degree (fsdpx/moe/parallel.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp"):
+        for name in ("dp_replicate", "tp", "pp", "ep"):
             v = getattr(self, name)
             _check(v >= 1, f"mesh.{name}", v, "an integer >= 1")
         _check(

@@ -44,6 +44,9 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
+    """Expert parallelism: ep consecutive dp_shard ranks split the experts; not a world-mesh
+    axis (fsdpx/moe/mesh.py builds the expert mesh), and it does not change dp."""
 
     @classmethod
     def from_config(cls, mesh: MeshConfig, world_size: int) -> ParallelDims:
@@ -78,7 +81,13 @@ class ParallelDims:
                 f"dp_shard({dp_shard}) * tp({mesh.tp}) = {product} do not equal the world "
                 f"size {world_size}; set mesh.dp_shard to -1 to infer it"
             )
-        return cls(mesh.pp, mesh.dp_replicate, dp_shard, mesh.tp, world_size)
+        if dp_shard % mesh.ep != 0:
+            raise ValueError(
+                f"mesh.ep ({mesh.ep}) must divide mesh.dp_shard ({dp_shard}): expert-parallel "
+                "ranks are carved out of the data-parallel shard group; choose an ep that "
+                f"divides {dp_shard}, or a larger dp_shard"
+            )
+        return cls(mesh.pp, mesh.dp_replicate, dp_shard, mesh.tp, world_size, ep=mesh.ep)
 
     @property
     def dp(self) -> int:

@@ -60,6 +60,12 @@ from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.config import Config
 from fsdpx.init_sync import broadcast_initial_state_
 from fsdpx.materialize import materialize_
+from fsdpx.moe.parallel import (
+    apply_expert_parallel,
+    build_expert_mesh,
+    check_expert_parallel,
+    shard_experts,
+)
 from fsdpx.offload import offload_policy
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_parallel import PipelineRunner, build_runner, split_stages
@@ -67,7 +73,7 @@ from fsdpx.pipeline_split import merged_view
 from fsdpx.precision import mp_policy
 from fsdpx.tensor_parallel import apply_tensor_parallel, build_plan, check_plan
 from fsdpx.tp_plans import TPPlan
-from fsdpx.zero import apply_zero
+from fsdpx.zero import apply_zero, stage_plan
 
 
 @dataclass
@@ -135,6 +141,8 @@ def parallelize(
             "which initialises each parameter from its full-model name, so every layout "
             "gets the values of the unsplit model"
         )
+    # Before the first collective: every rank gets the same verdict.
+    check_expert_parallel(model, dims, cfg.zero.stage)
     if not on_meta:
         model.to(device)
     if materialize:
@@ -154,6 +162,7 @@ def parallelize(
     offload = offload_policy(cfg)
     # See [Note: no resharding under PP]; None keeps the ZeRO stage's setting.
     block_raf = pp_block_reshard_after_forward if split is not None else None
+    expert_mesh = build_expert_mesh(dims, device.type) if dims.ep > 1 else None
 
     for part in parts:
         present = {n for n, _ in part.named_modules()}
@@ -167,6 +176,8 @@ def parallelize(
             mp_policy=precision,
             offload_policy=offload,
             block_reshard_after_forward=block_raf,
+            expert_mesh=expert_mesh,
+            dims=dims,
         )
     if on_meta and materialize:
         _materialize(
@@ -193,6 +204,8 @@ def parallelize_part(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
     block_reshard_after_forward: bool | int | None,
+    expert_mesh: DeviceMesh | None = None,
+    dims: ParallelDims | None = None,
 ) -> None:
     """The per-part steps, in place, in the order of [Note: recipe order].
 
@@ -203,6 +216,8 @@ def parallelize_part(
         tp_plan: from `_tp_plan` on the whole model; None without tensor parallelism.
         block_names: the whole model's block names (the sequence-parallel region's edges).
         mp_policy, offload_policy, block_reshard_after_forward: for fsdpx.zero.apply_zero.
+        expert_mesh, dims: the expert mesh (fsdpx/moe/parallel.py) and the job's sizes
+            when mesh.ep > 1; None otherwise.
     """
     # 1. Tensor parallelism (mesh.tp).
     if tp_plan is not None:
@@ -214,15 +229,31 @@ def parallelize_part(
             first_block=block_names[0],
             last_block=block_names[-1],
         )
-    # Context parallelism (mesh.sp), then expert parallelism (mesh.ep), go here when they
-    # land ([Note: recipe order]).
+    # Context parallelism (mesh.sp) goes here when it lands ([Note: recipe order]).
+    # Expert parallelism (mesh.ep): experts split over ep, tokens move by all_to_all.
+    if expert_mesh is not None:
+        apply_expert_parallel(part, expert_mesh)
     # 2. Activation checkpointing.
     apply_activation_checkpointing(blocks, cfg.activation_checkpointing)
     # 3. Compile, block by block.
     if cfg.compile:
         for block in blocks:
             block.compile()
-    # 4. FSDP: the ZeRO stage's sharding, per block, then the part's root.
+    # 4. FSDP: the experts over the expert-data-parallel ranks first (they sit inside
+    # blocks), then the ZeRO stage's sharding, per block, then the part's root.
+    if expert_mesh is not None:
+        assert dims is not None
+        raf = stage_plan(cfg.zero).block_reshard_after_forward
+        shard_experts(
+            part,
+            expert_mesh,
+            dims,
+            reshard_after_forward=raf
+            if block_reshard_after_forward is None
+            else block_reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
     apply_zero(
         part,
         list(blocks),

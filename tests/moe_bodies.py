@@ -1,0 +1,170 @@
+"""Rank bodies and the single-process reference for the expert-parallel tests.
+
+A tiny MoE model (input projection, blocks of residual MoE layers, output head), its
+batches, the reference trainer (one process: every data-parallel rank's micro-batch run on
+the unsplit model, losses averaged, AdamW, clipping) and the fsdpx trainer (one rank's part
+through fsdpx.shard). Capacity-limited gates compute their capacity from the tokens each
+rank sees, so the reference runs each rank's slice separately, as the ranks do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import fsdpx
+from fsdpx.moe import MoE
+
+HIDDEN = 8
+TOKENS = 6  # per sequence
+SEQS = 2  # per rank per micro-step
+STEPS = 3
+AUX = 0.1
+LR = 1e-2
+
+
+class Block(nn.Module):
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, l_aux, _ = self.moe(x)
+        return x + out, l_aux
+
+
+class MoEModel(nn.Module):
+    def __init__(self, moe_kwargs: dict[str, Any], layers: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        blocks = []
+        for _ in range(layers):
+            expert = nn.Sequential(nn.Linear(HIDDEN, 12), nn.GELU(), nn.Linear(12, HIDDEN))
+            shared = None
+            if moe_kwargs.get("shared"):
+                shared = nn.Sequential(nn.Linear(HIDDEN, 6), nn.GELU(), nn.Linear(6, HIDDEN))
+            kw = {k: v for k, v in moe_kwargs.items() if k != "shared"}
+            blocks.append(Block(MoE(HIDDEN, expert, shared_expert=shared, **kw)))
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inp(x)
+        aux = torch.zeros((), device=x.device)
+        for block in self.blocks:
+            h, l_aux = block(h)
+            aux = aux + l_aux
+        return self.head(h), aux
+
+
+def make_model(moe_kwargs: dict[str, Any]) -> MoEModel:
+    torch.manual_seed(0)
+    return MoEModel(moe_kwargs)
+
+
+def batches(dp: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """STEPS global batches, each a list of dp per-rank (x, y) micro-batches."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [
+            (
+                torch.randn(SEQS, TOKENS, HIDDEN, generator=g),
+                torch.randn(SEQS, TOKENS, HIDDEN, generator=g),
+            )
+            for _ in range(dp)
+        ]
+        for _ in range(STEPS)
+    ]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out, aux = model(x)
+    return torch.nn.functional.mse_loss(out, y) + AUX * aux
+
+
+def reference_run(
+    moe_kwargs: dict[str, Any], dp: int, clip: float
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, the same initial weights and the same per-rank micro-batches."""
+    torch.set_num_threads(1)
+    model = make_model(moe_kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    grads: dict[str, torch.Tensor] = {}
+    for step in batches(dp):
+        per_rank = [loss_of(model, x, y) for x, y in step]
+        total = torch.stack(per_rank).mean()
+        total.backward()
+        if not grads:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total.detach()))
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fsdpx_run(
+    rank: int, world_size: int, moe_kwargs: dict[str, Any], cfg_dict: dict[str, Any]
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's part of the same training through fsdpx.shard."""
+    cfg = fsdpx.Config.from_dict(
+        {"optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, **cfg_dict}
+    )
+    engine = fsdpx.shard(make_model(moe_kwargs), cfg)
+    dp = engine.parallel_dims.dp
+    dp_rank = ParallelRank.of(engine)
+    losses = []
+    grads: dict[str, torch.Tensor] = {}
+    for step in batches(dp):
+        x, y = step[dp_rank]
+        loss = loss_of(engine, x, y)
+        engine.backward(loss)
+        if not grads:
+            grads = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+        engine.step()
+        losses.append(float(engine.all_reduce_mean(loss.detach())))
+    params = {n: _full(p) for n, p in engine.module.named_parameters()}
+    return losses, grads, params
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full.detach().clone()
+
+
+class ParallelRank:
+    @staticmethod
+    def of(engine: Any) -> int:
+        """This rank's index among the data-parallel ranks (which micro-batch it takes)."""
+        mesh = fsdpx.parallel_dims.ParallelDims.dp_mesh(engine.mesh)
+        return int(mesh.get_local_rank())
+
+
+def parity_body(
+    rank: int, world_size: int, cases: dict[str, tuple[dict[str, Any], dict[str, Any]]]
+) -> dict[str, Any]:
+    out = {name: fsdpx_run(rank, world_size, mk, cfg) for name, (mk, cfg) in cases.items()}
+    dist.barrier()
+    return out
+
+
+def bad_input_body(
+    rank: int, world_size: int, cases: dict[str, tuple[dict[str, Any], dict[str, Any]]]
+) -> list[str | None]:
+    """fsdpx.shard on each bad case; the error message each raised (None: it did not)."""
+    errors: list[str | None] = []
+    for moe_kwargs, cfg_dict in cases.values():
+        model = make_model(moe_kwargs) if moe_kwargs else nn.Linear(HIDDEN, HIDDEN)
+        try:
+            fsdpx.shard(model, fsdpx.Config.from_dict(cfg_dict))
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    dist.barrier()
+    return errors
