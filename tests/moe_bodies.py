@@ -28,37 +28,51 @@ LR = 1e-2
 
 
 class Block(nn.Module):
-    def __init__(self, moe: MoE) -> None:
+    def __init__(self, moe: MoE, dense: bool) -> None:
         super().__init__()
+        # A dense MLP before the experts: what tensor parallelism splits (plan TP_PLAN).
+        self.up = nn.Linear(HIDDEN, 16) if dense else None
+        self.down = nn.Linear(16, HIDDEN) if dense else None
         self.moe = moe
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.up is not None and self.down is not None:
+            x = x + self.down(torch.nn.functional.gelu(self.up(x)))
         out, l_aux, _ = self.moe(x)
         return x + out, l_aux
+
+
+TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+_MODEL_KEYS = ("shared", "dense", "pp")
 
 
 class MoEModel(nn.Module):
     def __init__(self, moe_kwargs: dict[str, Any], layers: int = 2) -> None:
         super().__init__()
-        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        # pp: the forward returns only the output (a pipeline stage passes one tensor on,
+        # so the aux loss stays out of the loss) and skips the modules other stages hold.
+        self.pp = bool(moe_kwargs.get("pp"))
+        self.inp: nn.Module | None = nn.Linear(HIDDEN, HIDDEN)
         blocks = []
         for _ in range(layers):
             expert = nn.Sequential(nn.Linear(HIDDEN, 12), nn.GELU(), nn.Linear(12, HIDDEN))
             shared = None
             if moe_kwargs.get("shared"):
                 shared = nn.Sequential(nn.Linear(HIDDEN, 6), nn.GELU(), nn.Linear(6, HIDDEN))
-            kw = {k: v for k, v in moe_kwargs.items() if k != "shared"}
-            blocks.append(Block(MoE(HIDDEN, expert, shared_expert=shared, **kw)))
+            kw = {k: v for k, v in moe_kwargs.items() if k not in _MODEL_KEYS}
+            moe = MoE(HIDDEN, expert, shared_expert=shared, **kw)
+            blocks.append(Block(moe, dense=bool(moe_kwargs.get("dense"))))
         self.blocks = nn.ModuleList(blocks)
-        self.head = nn.Linear(HIDDEN, HIDDEN)
+        self.head: nn.Module | None = nn.Linear(HIDDEN, HIDDEN)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.inp(x)
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.inp(x) if self.inp is not None else x
         aux = torch.zeros((), device=x.device)
         for block in self.blocks:
             h, l_aux = block(h)
             aux = aux + l_aux
-        return self.head(h), aux
+        out = self.head(h) if self.head is not None else h
+        return out if self.pp else (out, aux)
 
 
 def make_model(moe_kwargs: dict[str, Any]) -> MoEModel:
@@ -82,8 +96,15 @@ def batches(dp: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tenso
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    out, aux = model(x)
-    return torch.nn.functional.mse_loss(out, y) + AUX * aux
+    return loss_fn(model(x), y)
+
+
+def loss_fn(outputs: Any, y: torch.Tensor) -> torch.Tensor:
+    """MSE plus AUX times the MoE aux losses; MSE alone for a pp model's plain output."""
+    if isinstance(outputs, tuple):
+        out, aux = outputs
+        return torch.nn.functional.mse_loss(out, y) + AUX * aux
+    return torch.nn.functional.mse_loss(outputs, y)
 
 
 def reference_run(
@@ -168,3 +189,31 @@ def bad_input_body(
             errors.append(str(exc))
     dist.barrier()
     return errors
+
+
+def reference_composed(
+    moe_kwargs: dict[str, Any], dp: int, gas: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference of composed_body: dp * gas micro-batches per step, each run alone."""
+    losses, _, params = reference_run(moe_kwargs, dp * gas, clip=0.0)
+    return losses, params
+
+
+def composed_body(
+    rank: int, world_size: int, moe_kwargs: dict[str, Any], cfg_dict: dict[str, Any]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """engine.train_batch (the pipeline schedule under pp) on this rank's gas micro-batches
+    per step; the losses and this rank's parameters (its stages' only under pp), gathered."""
+    cfg = fsdpx.Config.from_dict(
+        {"optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, **cfg_dict}
+    )
+    engine = fsdpx.shard(make_model(moe_kwargs), cfg, loss_fn=loss_fn)
+    dp, gas = engine.parallel_dims.dp, cfg.gradient_accumulation_steps
+    dp_rank = ParallelRank.of(engine)
+    losses = []
+    for step in batches(dp * gas):
+        mine = step[dp_rank * gas : (dp_rank + 1) * gas]
+        losses.append(float(engine.train_batch(iter(mine))))
+    params = {n: _full(p) for n, p in engine.module.named_parameters()}
+    dist.barrier()
+    return losses, params

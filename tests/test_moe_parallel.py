@@ -94,6 +94,46 @@ def test_ep_must_divide_dp_shard() -> None:
     assert (dims.dp, dims.dp_shard, dims.ep) == (8, 4, 2)  # ep does not change dp
 
 
+def _check_composed(
+    results: list[tuple[list[float], dict[str, torch.Tensor]]],
+    moe_kwargs: dict[str, Any],
+    dp: int,
+    gas: int,
+) -> None:
+    ref_losses, ref_params = mb.reference_composed(moe_kwargs, dp, gas)
+    seen: set[str] = set()
+    for rank, (losses, params) in enumerate(results):
+        torch.testing.assert_close(losses, ref_losses)
+        for n, p in params.items():
+            _close(p, ref_params[n], f"rank {rank}, {n} after {mb.STEPS} steps")
+        seen |= params.keys()
+    assert seen == ref_params.keys()  # under pp: the stages together hold every parameter
+
+
+@pytest.mark.slow
+def test_ep2_tp2_parity_four_ranks() -> None:
+    """ep = 2 x tp = 2 (the dense MLPs split by TP, the experts by EP), ZeRO-3."""
+    moe = {**DROPLESS, "dense": True, "reinit_experts": True}
+    cfg = {
+        "mesh": {"ep": 2, "tp": 2},
+        "tensor_parallel": {"plan": mb.TP_PLAN},
+        "gradient_accumulation_steps": 2,
+    }
+    _check_composed(run_ranks(mb.composed_body, 4, args=(moe, cfg)), moe, dp=2, gas=2)
+
+
+@pytest.mark.slow
+def test_ep2_pp2_parity_four_ranks() -> None:
+    """ep = 2 x pp = 2 (one block per stage, 1F1B, 2 micro-batches), ZeRO-3."""
+    moe = {**TOP2, "pp": True, "reinit_experts": True}
+    cfg = {
+        "mesh": {"ep": 2, "pp": 2},
+        "pipeline": {"schedule": "1F1B"},
+        "gradient_accumulation_steps": 2,
+    }
+    _check_composed(run_ranks(mb.composed_body, 4, args=(moe, cfg)), moe, dp=2, gas=2)
+
+
 BAD: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "built with ep_size=2 but mesh.ep is 1: they must be equal": (TOP1, {"mesh": {"ep": 1}}),
     "built with ep_size=1 but mesh.ep is 2": ({**TOP1, "ep_size": 1}, {"mesh": {"ep": 2}}),
