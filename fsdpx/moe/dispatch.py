@@ -30,14 +30,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from fsdpx.moe.router import Routing
-
 ExpertFn = Callable[[Tensor, list[int]], Tensor]
 
 
 def moe_dispatch(
     x: Tensor,
-    routing: Routing,
+    token: Tensor,
+    expert: Tensor,
+    weight: Tensor,
     *,
     num_experts: int,
     experts: ExpertFn,
@@ -47,22 +47,23 @@ def moe_dispatch(
 
     Args:
         x: the tokens [S, d].
-        routing: the kept assignments (fsdpx.moe.router).
+        token, expert, weight: the kept assignments [A] (fsdpx.moe.router.Routing, or a
+            Hugging Face router's top-k indices and weights, flattened).
         num_experts: experts in the whole layer.
         experts: runs this rank's experts on rows sorted by local expert, given per-expert
             row counts (fsdpx.moe.experts.Experts.forward).
         ep_group: the expert-parallel group, or None when every expert is local.
     """
-    order = torch.argsort(routing.expert, stable=True)
-    token = routing.token[order]
-    rows = x.index_select(0, token)
-    counts = torch.bincount(routing.expert, minlength=num_experts)
+    order = torch.argsort(expert, stable=True)
+    sorted_token = token[order]
+    rows = x.index_select(0, sorted_token)
+    counts = torch.bincount(expert, minlength=num_experts)
     if ep_group is None or dist.get_world_size(ep_group) == 1:
         out_rows = experts(rows, counts.tolist())
     else:
         out_rows = _expert_parallel(rows, counts, experts=experts, group=ep_group)
-    weighted = out_rows * routing.weight[order].unsqueeze(1).to(out_rows.dtype)
-    return torch.zeros_like(x).index_add(0, token, weighted.to(x.dtype))
+    weighted = out_rows * weight[order].unsqueeze(1).to(out_rows.dtype)
+    return torch.zeros_like(x).index_add(0, sorted_token, weighted.to(x.dtype))
 
 
 def _expert_parallel(

@@ -114,6 +114,11 @@ class Experts(nn.Module):
         return out.reshape(num * width, -1).index_select(0, flat)
 
 
+def scale_grad(x: Tensor, scale: float) -> Tensor:
+    """`x` in forward; its gradient times `scale` in backward (x itself when scale is 1)."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times `scale` backward."""
 

@@ -129,7 +129,9 @@ class MOELayer(nn.Module):
         self.exp_counts = routing.exp_counts
         out = moe_dispatch(
             x,
-            routing,
+            routing.token,
+            routing.expert,
+            routing.weight,
             num_experts=self.num_experts,
             experts=self.experts,
             ep_group=self.ep_group,

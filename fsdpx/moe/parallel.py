@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from fsdpx.moe.hf_experts import check_fused, enable_fused_ep, fused_experts
 from fsdpx.moe.layer import MoE, MOELayer
 from fsdpx.parallel_dims import Axis, ParallelDims
 
@@ -64,11 +65,15 @@ def check_expert_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int)
             )
     if dims.ep == 1:
         return
-    if not layers:
+    fused = fused_experts(model)
+    if not layers and not fused:
         raise ValueError(
-            f"mesh.ep = {dims.ep} but the model has no fsdpx.moe MoE layer to split: set "
-            "mesh.ep to 1, or build the model's expert layers with fsdpx.moe.MoE"
+            f"mesh.ep = {dims.ep} but the model has no fsdpx.moe MoE layer and no Hugging "
+            "Face fused experts (3-D gate_up_proj / down_proj) to split: set mesh.ep to 1, "
+            "or build the model's expert layers with fsdpx.moe.MoE"
         )
+    for name, module in fused:
+        check_fused(name, module, dims.ep)
     if zero_stage == 0:
         raise ValueError(
             f"mesh.ep = {dims.ep} needs ZeRO stage 1, 2 or 3 (stage 0 replicates every "
@@ -90,8 +95,11 @@ def build_expert_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
 
 
 def apply_expert_parallel(part: nn.Module, expert_mesh: DeviceMesh) -> None:
-    """Split each MoE layer's stacked experts over the ep axis and give it its ep group."""
+    """Split each MoE layer's stacked experts (and each Hugging Face fused experts module:
+    fsdpx/moe/hf_experts.py) over the ep axis and give it its ep group."""
     ep_mesh = expert_mesh[EP]
+    for _, module in fused_experts(part):
+        enable_fused_ep(module, ep_mesh)
     for _, layer in moe_layers(part):
         experts = layer.experts
         for name, param in list(experts.expert.named_parameters()):
@@ -120,9 +128,11 @@ def shard_experts(
         fsdp_mesh = expert_mesh[(Axis.DP_REPLICATE.value, EDP)]
     else:
         fsdp_mesh = expert_mesh[EDP]
-    for _, layer in moe_layers(part):
+    units = [layer.experts for _, layer in moe_layers(part)]
+    units += [module for _, module in fused_experts(part)]
+    for unit in units:
         experts = fully_shard(
-            layer.experts,
+            unit,
             mesh=fsdp_mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
