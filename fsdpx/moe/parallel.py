@@ -128,7 +128,7 @@ def shard_experts(
         fsdp_mesh = expert_mesh[(Axis.DP_REPLICATE.value, EDP)]
     else:
         fsdp_mesh = expert_mesh[EDP]
-    units = [layer.experts for _, layer in moe_layers(part)]
+    units: list[nn.Module] = [layer.experts for _, layer in moe_layers(part)]
     units += [module for _, module in fused_experts(part)]
     for unit in units:
         experts = fully_shard(
