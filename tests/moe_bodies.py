@@ -217,3 +217,57 @@ def composed_body(
     params = {n: _full(p) for n, p in engine.module.named_parameters()}
     dist.barrier()
     return losses, params
+
+
+def _state(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and its Adam moments, gathered to full tensors, by parameter name."""
+    out: dict[str, torch.Tensor] = {}
+    opt_state = engine.optimizer.state
+    for n, p in engine.module.named_parameters():
+        out[n] = _full(p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{n}.{key}"] = _full(opt_state[p][key])
+    return out
+
+
+def ckpt_body(
+    rank: int,
+    world_size: int,
+    moe_kwargs: dict[str, Any],
+    save_cfg: dict[str, Any],
+    load_cfg: dict[str, Any],
+    root: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Train 1 step under save_cfg and save; load into a fresh engine under load_cfg.
+    Returns both engines' gathered parameters and optimizer moments."""
+    base = {"optimizer": {"type": "adamw", "lr": LR}}
+    saver = fsdpx.shard(make_model(moe_kwargs), fsdpx.Config.from_dict({**base, **save_cfg}))
+    x, y = batches(saver.parallel_dims.dp)[0][ParallelRank.of(saver)]
+    saver.backward(loss_of(saver, x, y))
+    saver.step()
+    saver.save_checkpoint(root)
+    saved = _state(saver)
+    ep_kwargs = {**moe_kwargs, "ep_size": load_cfg.get("mesh", {}).get("ep", 1)}
+    loader = fsdpx.shard(make_model(ep_kwargs), fsdpx.Config.from_dict({**base, **load_cfg}))
+    x, y = batches(loader.parallel_dims.dp)[0][ParallelRank.of(loader)]
+    loader.backward(loss_of(loader, x, y))  # optimizer state exists before the load
+    loader.step()
+    loader.load_checkpoint(root)
+    loaded = _state(loader)
+    dist.barrier()
+    return saved, loaded
+
+
+def load_only_body(
+    rank: int, world_size: int, moe_kwargs: dict[str, Any], load_cfg: dict[str, Any], root: str
+) -> dict[str, torch.Tensor]:
+    """A fresh engine under load_cfg that loads `root`; its gathered state."""
+    base = {"optimizer": {"type": "adamw", "lr": LR}}
+    loader = fsdpx.shard(make_model(moe_kwargs), fsdpx.Config.from_dict({**base, **load_cfg}))
+    x, y = batches(loader.parallel_dims.dp)[0][ParallelRank.of(loader)]
+    loader.backward(loss_of(loader, x, y))
+    loader.step()
+    loader.load_checkpoint(root)
+    state = _state(loader)
+    dist.barrier()
+    return state
