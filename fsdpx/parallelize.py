@@ -142,7 +142,7 @@ def parallelize(
             "gets the values of the unsplit model"
         )
     # Before the first collective: every rank gets the same verdict.
-    check_expert_parallel(model, dims, cfg.zero.stage)
+    check_expert_parallel(model, dims, cfg.zero.stage, on_meta=on_meta)
     if not on_meta:
         model.to(device)
     if materialize:

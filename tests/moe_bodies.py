@@ -181,7 +181,11 @@ def bad_input_body(
     """fsdpx.shard on each bad case; the error message each raised (None: it did not)."""
     errors: list[str | None] = []
     for moe_kwargs, cfg_dict in cases.values():
-        model = make_model(moe_kwargs) if moe_kwargs else nn.Linear(HIDDEN, HIDDEN)
+        if moe_kwargs.get("meta"):
+            with torch.device("meta"):
+                model: nn.Module = make_model({k: v for k, v in moe_kwargs.items() if k != "meta"})
+        else:
+            model = make_model(moe_kwargs) if moe_kwargs else nn.Linear(HIDDEN, HIDDEN)
         try:
             fsdpx.shard(model, fsdpx.Config.from_dict(cfg_dict))
             errors.append(None)

@@ -190,3 +190,19 @@ def test_constructor_errors(kwargs: dict[str, Any], match: str) -> None:
 def test_expert_with_buffers_is_refused() -> None:
     with pytest.raises(ValueError, match=r"expert module with buffers \(\['1.running_mean'"):
         MoE(8, nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), num_experts=2)
+
+
+def test_grouped_benchmark_runs() -> None:
+    """benchmarks/moe_grouped.py end to end at its smallest (it checks every way against the
+    per-expert module loop before timing); timings are not asserted."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_grouped.py"
+    args = ["--tokens", "64", "--hidden", "16", "--ffn", "32", "--repeat", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    for name in ("per-expert loop (modules)", "sorted loop", "padded bmm"):
+        assert name in proc.stdout, proc.stdout

@@ -139,6 +139,10 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "built with ep_size=1 but mesh.ep is 2": ({**TOP1, "ep_size": 1}, {"mesh": {"ep": 2}}),
     "mesh.ep = 2 needs ZeRO stage 1, 2 or 3": (TOP1, {"mesh": {"ep": 2}, "zero": {"stage": 0}}),
     "mesh.ep = 2 but the model has no fsdpx.moe MoE layer": ({}, {"mesh": {"ep": 2}}),
+    "mesh.ep = 2 with a model built on the meta device": (
+        {**TOP1, "meta": True},
+        {"mesh": {"ep": 2}},
+    ),
 }
 
 
