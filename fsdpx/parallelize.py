@@ -2,7 +2,8 @@
 and materialised parts on a mesh (torchtitan's `parallelize` shape).
 
     place -> [pp: split into this rank's stages] ->
-        per part: tensor parallel -> activation checkpointing -> compile -> FSDP (ZeRO)
+        per part: tensor parallel -> expert parallel -> activation checkpointing -> compile
+                  -> FSDP (ZeRO; experts over the expert-data-parallel ranks first)
     -> materialise (meta-built models) -> [pp: pipeline runner]
 
 Data parallelism is the case of one part (the model) and no TP plan; pipeline parallelism
@@ -17,7 +18,10 @@ compiled block is the checkpointed one. FSDP comes last: `fully_shard` must see 
 parameters (tp DTensors) and its hooks run around the checkpointed, compiled block. DESIGN.md
 (Round 2) fixes where the coming techniques go: TP -> SP/CP -> EP -> AC -> compile -> FSDP,
 i.e. context parallelism (mesh.sp) and then expert parallelism (mesh.ep) are applied per part
-between tensor parallelism and activation checkpointing; `parallelize_part` marks the spot.
+between tensor parallelism and activation checkpointing. Expert parallelism is there
+(fsdpx/moe/parallel.py): it turns the stacked expert weights into DTensors on the ep axis
+of the expert mesh, which FSDP then shards over that mesh's expert-data-parallel axis
+before the blocks around them are sharded.
 
 [Note: materialise once] A model built on the meta device is materialised after every part
 is sharded, so each rank allocates only its shards, in one place (`_materialize`) for every
