@@ -275,3 +275,34 @@ def load_only_body(
     state = _state(loader)
     dist.barrier()
     return state
+
+
+def ds_initialize_body(
+    rank: int, world_size: int, moe_kwargs: dict[str, Any], clip: float
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training as fsdpx_run, written as a DeepSpeed script: `deepspeed.initialize`
+    with a ds_config that says nothing about experts (mesh.ep comes from MoE(ep_size=...))."""
+    import fsdpx.deepspeed as deepspeed
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": SEQS,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    }
+    model = make_model(moe_kwargs)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config
+    )
+    losses = []
+    for step in batches(world_size):
+        x, y = step[rank]
+        loss = loss_of(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)
+    params = {n: _full(p) for n, p in engine.module.named_parameters()}
+    dist.barrier()
+    return losses, params
