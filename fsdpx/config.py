@@ -69,9 +69,12 @@ class MeshConfig:
     """Sequence (context) parallel degree: each rank of an sp group holds seq/sp tokens of
     the same samples (context_parallel.mode picks Ulysses or ring). FSDP shards over
     dp_shard x sp; the batch rule uses dp = dp_replicate x dp_shard."""
+    ep: int = 1
+    """Expert-parallel degree (DeepSpeed's ep_size): carved out of dp_shard, which it must
+    divide; it does not change the data-parallel degree (fsdpx/moe/parallel.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "sp"):
+        for name in ("dp_replicate", "tp", "pp", "sp", "ep"):
             v = getattr(self, name)
             _check(v >= 1, f"mesh.{name}", v, "an integer >= 1")
         _check(

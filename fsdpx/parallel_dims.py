@@ -50,6 +50,9 @@ class ParallelDims:
     sp: int = 1
     """Sequence-parallel degree (last, with a default, so that positional construction
     of the other axes keeps working)."""
+    ep: int = 1
+    """Expert parallelism: ep consecutive dp_shard ranks split the experts; not a world-mesh
+    axis (fsdpx/moe/mesh.py builds the expert mesh), and it does not change dp."""
 
     @classmethod
     def from_config(cls, mesh: MeshConfig, world_size: int) -> ParallelDims:
@@ -88,7 +91,22 @@ class ParallelDims:
                 f"dp_shard({dp_shard}){sp_part} * tp({mesh.tp}) = {product} do not equal the "
                 f"world size {world_size}; set mesh.dp_shard to -1 to infer it"
             )
-        return cls(mesh.pp, mesh.dp_replicate, dp_shard, mesh.tp, world_size, sp=mesh.sp)
+        if mesh.ep > 1 and mesh.sp > 1:
+            # DESIGN.md clarification 1 allows refusing this pair this round: the expert
+            # mesh (fsdpx/moe/mesh.py) does not place sp ranks yet.
+            raise ValueError(
+                f"mesh.ep ({mesh.ep}) together with mesh.sp ({mesh.sp}) is not supported yet; "
+                "use expert parallelism or sequence parallelism, not both"
+            )
+        if dp_shard % mesh.ep != 0:
+            raise ValueError(
+                f"mesh.ep ({mesh.ep}) must divide mesh.dp_shard ({dp_shard}): expert-parallel "
+                "ranks are carved out of the data-parallel shard group; choose an ep that "
+                f"divides {dp_shard}, or a larger dp_shard"
+            )
+        return cls(
+            mesh.pp, mesh.dp_replicate, dp_shard, mesh.tp, world_size, sp=mesh.sp, ep=mesh.ep
+        )
 
     @property
     def dp(self) -> int:

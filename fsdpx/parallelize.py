@@ -2,7 +2,8 @@
 and materialised parts on a mesh (torchtitan's `parallelize` shape).
 
     place -> [pp: split into this rank's stages] ->
-        per part: tensor parallel -> activation checkpointing -> compile -> FSDP (ZeRO)
+        per part: tensor parallel -> expert parallel -> activation checkpointing -> compile
+                  -> FSDP (ZeRO; experts over the expert-data-parallel ranks first)
     -> materialise (meta-built models) -> [pp: pipeline runner]
 
 Data parallelism is the case of one part (the model) and no TP plan; pipeline parallelism
@@ -17,7 +18,10 @@ compiled block is the checkpointed one. FSDP comes last: `fully_shard` must see 
 parameters (tp DTensors) and its hooks run around the checkpointed, compiled block. DESIGN.md
 (Round 2) fixes where the coming techniques go: TP -> SP/CP -> EP -> AC -> compile -> FSDP,
 i.e. context parallelism (mesh.sp) and then expert parallelism (mesh.ep) are applied per part
-between tensor parallelism and activation checkpointing; `parallelize_part` marks the spot.
+between tensor parallelism and activation checkpointing. Expert parallelism is there
+(fsdpx/moe/parallel.py): it turns the stacked expert weights into DTensors on the ep axis
+of the expert mesh, which FSDP then shards over that mesh's expert-data-parallel axis
+before the blocks around them are sharded.
 
 [Note: materialise once] A model built on the meta device is materialised after every part
 is sharded, so each rank allocates only its shards, in one place (`_materialize`) for every
@@ -60,6 +64,12 @@ from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.config import Config
 from fsdpx.init_sync import broadcast_initial_state_
 from fsdpx.materialize import materialize_
+from fsdpx.moe.parallel import (
+    apply_expert_parallel,
+    build_expert_mesh,
+    check_expert_parallel,
+    shard_experts,
+)
 from fsdpx.offload import offload_policy
 from fsdpx.optimizers import EXCHANGING_OPTIMIZERS
 from fsdpx.parallel_dims import Axis, ParallelDims
@@ -69,7 +79,7 @@ from fsdpx.precision import mp_policy
 from fsdpx.sequence.apply import apply_sequence_parallel
 from fsdpx.tensor_parallel import apply_tensor_parallel, build_plan, check_plan
 from fsdpx.tp_plans import TPPlan
-from fsdpx.zero import apply_zero
+from fsdpx.zero import apply_zero, stage_plan
 
 
 @dataclass
@@ -141,6 +151,8 @@ def parallelize(
         # The sharded parameters are the masters: bf16 ones (PrecisionConfig.master_dtype),
         # cast before sharding (on meta, reset_parameters() then initialises in bf16).
         model.to(torch.bfloat16)
+    # Before the first collective: every rank gets the same verdict.
+    check_expert_parallel(model, dims, cfg.zero.stage, on_meta=on_meta)
     if not on_meta:
         model.to(device)
     if materialize:
@@ -160,6 +172,7 @@ def parallelize(
     offload = offload_policy(cfg)
     # See [Note: no resharding under PP]; None keeps the ZeRO stage's setting.
     block_raf = pp_block_reshard_after_forward if split is not None else None
+    expert_mesh = build_expert_mesh(dims, device.type) if dims.ep > 1 else None
 
     for part in parts:
         present = {n for n, _ in part.named_modules()}
@@ -173,6 +186,8 @@ def parallelize(
             mp_policy=precision,
             offload_policy=offload,
             block_reshard_after_forward=block_raf,
+            expert_mesh=expert_mesh,
+            dims=dims,
         )
     if on_meta and materialize:
         _materialize(
@@ -199,6 +214,8 @@ def parallelize_part(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
     block_reshard_after_forward: bool | int | None,
+    expert_mesh: DeviceMesh | None = None,
+    dims: ParallelDims | None = None,
 ) -> None:
     """The per-part steps, in place, in the order of [Note: recipe order].
 
@@ -209,6 +226,8 @@ def parallelize_part(
         tp_plan: from `_tp_plan` on the whole model; None without tensor parallelism.
         block_names: the whole model's block names (the sequence-parallel region's edges).
         mp_policy, offload_policy, block_reshard_after_forward: for fsdpx.zero.apply_zero.
+        expert_mesh, dims: the expert mesh (fsdpx/moe/parallel.py) and the job's sizes
+            when mesh.ep > 1; None otherwise.
     """
     # 1. Tensor parallelism (mesh.tp).
     if tp_plan is not None:
@@ -221,9 +240,11 @@ def parallelize_part(
             last_block=block_names[-1],
         )
     # Sequence parallelism (mesh.sp; Hugging Face models: their attention registry, native
-    # models: the engine's UlyssesSDPA mode) and tiled MLP; expert parallelism (mesh.ep)
-    # goes after them when it lands ([Note: recipe order]).
+    # models: the engine's UlyssesSDPA mode) and tiled MLP ([Note: recipe order]).
     recompute_context = apply_sequence_parallel(part, list(blocks), cfg=cfg, mesh=mesh)
+    # Expert parallelism (mesh.ep): experts split over ep, tokens move by all_to_all.
+    if expert_mesh is not None:
+        apply_expert_parallel(part, expert_mesh)
     # 2. Activation checkpointing.
     apply_activation_checkpointing(
         blocks, cfg.activation_checkpointing, recompute_context=recompute_context
@@ -232,7 +253,21 @@ def parallelize_part(
     if cfg.compile:
         for block in blocks:
             block.compile()
-    # 4. FSDP: the ZeRO stage's sharding, per block, then the part's root.
+    # 4. FSDP: the experts over the expert-data-parallel ranks first (they sit inside
+    # blocks), then the ZeRO stage's sharding, per block, then the part's root.
+    if expert_mesh is not None:
+        assert dims is not None
+        raf = stage_plan(cfg.zero).block_reshard_after_forward
+        shard_experts(
+            part,
+            expert_mesh,
+            dims,
+            reshard_after_forward=raf
+            if block_reshard_after_forward is None
+            else block_reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
     apply_zero(
         part,
         list(blocks),

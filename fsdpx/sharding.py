@@ -1,7 +1,7 @@
 """`fsdpx.shard`: the entry that turns a model and a Config into an Engine.
 
 It checks the arguments, starts the process group, builds the mesh, hands the model to
-the parallelize recipe (fsdpx/parallelize.py: TP -> AC -> compile -> FSDP per part, then
+the parallelize recipe (fsdpx/parallelize.py: TP -> EP -> AC -> compile -> FSDP per part, then
 materialisation), then builds the optimizer, scheduler, loss scaler and telemetry around
 the sharded model and returns the Engine.
 

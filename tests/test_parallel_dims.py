@@ -158,3 +158,10 @@ def test_sp_divides_the_world_or_the_error_names_it() -> None:
         r"dp_replicate\(1\) \* sp\(4\) \* tp\(1\) = 4;",
     ):
         ParallelDims.from_config(MeshConfig(sp=4), 6)
+
+
+def test_expert_and_sequence_parallel_together_are_refused() -> None:
+    from fsdpx.config import MeshConfig
+
+    with pytest.raises(ValueError, match=r"mesh.ep \(2\) together with mesh.sp \(2\) is not"):
+        ParallelDims.from_config(MeshConfig(dp_shard=-1, sp=2, ep=2), 8)

@@ -4,7 +4,7 @@ A DeepSpeed script will import this package as ``import fsdpx.deepspeed as deeps
 its public names are exactly DeepSpeed's own (DESIGN.md, Round 2 additions). Provided
 so far: ``initialize``, ``PipelineModule``, ``add_config_arguments``, ``init_distributed``,
 ``DeepSpeedEngine``, ``get_accelerator`` and the submodules ``comm``, ``accelerator``,
-``utils``, ``checkpointing``, ``ops`` (``ops.adam``, ``ops.lamb``), ``runtime`` (``runtime.utils``,
+``utils``, ``checkpointing``, ``moe`` (``moe.layer.MoE``), ``ops`` (``ops.adam``, ``ops.lamb``), ``runtime`` (``runtime.utils``,
 ``runtime.dataloader``, ``runtime.lr_schedules``), ``zero`` (``zero.Init``,
 ``zero.GatheredParameters``), ``pipe`` (``PipelineModule``, ``LayerSpec``,
 ``TiedLayerSpec``). DeepSpeed names not
@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "get_accelerator": "fsdpx.deepspeed.accelerator",
     "init_distributed": "fsdpx.deepspeed._initialize",
     "initialize": "fsdpx.deepspeed._initialize",
+    "moe": "fsdpx.deepspeed.moe",
     "ops": "fsdpx.deepspeed.ops",
     "pipe": "fsdpx.deepspeed.pipe",
     "runtime": "fsdpx.deepspeed.runtime",

@@ -487,6 +487,7 @@ class _Translator:
             )
             return
         dp = self.world_size // (pp * tp * sp)
+        self._expert_parallel()
         if (
             isinstance(mics, int)
             and mics > 0
@@ -508,6 +509,28 @@ class _Translator:
                     f"mesh.dp_shard = {mics}, mesh.dp_replicate = {dp // mics} (HSDP)",
                 )
         self._batch(dp, pp, tp)
+
+    def _expert_parallel(self) -> None:
+        """expert_parallel.enabled + autoep_size -> mesh.ep (fsdpx/deepspeed/_keys_moe.py)."""
+        enabled_key, size_key = "expert_parallel.enabled", "expert_parallel.autoep_size"
+        enabled = self.leaves.get(enabled_key)
+        size = self.leaves.get(size_key)
+        if enabled is None and size is None:
+            return
+        if enabled is not True:
+            for key in (enabled_key, size_key):
+                if key in self.leaves:
+                    self._row(key, self.leaves[key], "ignored", "feature off", "feature off")
+            return
+        if size is None:
+            self._row(enabled_key, True, "ignored", "autoep_size absent (1): mesh.ep stays 1")
+            return
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            self._row(enabled_key, True, "mapped", "see autoep_size")
+            self._error(size_key, size, f"'{size_key}' must be an integer >= 1; got {size!r}")
+            return
+        self._row(enabled_key, True, "mapped", f"mesh.ep = autoep_size ({size})")
+        self._map(size_key, "mesh.ep", size)
 
     def _positive(self, key: str, target: str) -> int:
         value = self.leaves.get(key)

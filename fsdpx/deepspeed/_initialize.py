@@ -33,6 +33,7 @@ from torch import nn
 from fsdpx.config import Config
 from fsdpx.deepspeed._engine import DeepSpeedEngine
 from fsdpx.deepspeed._json import load_deepspeed_config
+from fsdpx.deepspeed._moe import with_model_ep
 from fsdpx.deepspeed._pipe_config import (
     pipeline_config,
     pipeline_ds_config,
@@ -94,6 +95,7 @@ def initialize(
         loss_fn = pipeline_loss_fn(model)
     else:
         cfg = Config.from_deepspeed(ds_config)
+    cfg = with_model_ep(model, cfg)  # DeepSpeed's ep_size lives in MoE(...), not the config
     opt_arg, sched_arg = _optimizer_and_scheduler(model, ds_config, cfg, optimizer, lr_scheduler)
     groups = model_parameters
     if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fsdpx.config import SCHEDULER_KEYS
+from fsdpx.deepspeed._keys_moe import moe_rules
 from fsdpx.deepspeed._keys_more import more_rules
 from fsdpx.optimizers import OPTIMIZER_PARAM_KEYS, OPTIMIZERS
 
@@ -560,7 +561,7 @@ def _table() -> dict[str, KeyRule]:
                 f"{block} output is produced from the telemetry log by `fsdpx-monitor export`",
                 MONITOR_OUT,
             )
-    more = more_rules()
+    more = {**more_rules(), **moe_rules()}
     assert not set(more) & set(t), f"rows defined twice: {sorted(set(more) & set(t))}"
     t.update({k: KeyRule(r.action, r.note, tag=r.tag, accept=r.accept) for k, r in more.items()})  # type: ignore[arg-type]
     return t

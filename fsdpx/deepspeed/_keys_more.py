@@ -43,7 +43,6 @@ _OFFLOAD = "DeepSpeed's offload buffer tuning"
 
 _REMOVED = "DeepSpeed 0.19.8 removed this feature too (it raises DeepSpeedConfigError)"
 _DEEPCOMPILE = "a DeepCompile option, read only with compile.deepcompile true, which fsdpx refuses"
-_NO_EP = "expert parallelism is not implemented in fsdpx's DeepSpeed translation"
 _INFERENCE_TP = (
     "DeepSpeed's inference tensor-parallel settings; for training set "
     "tensor_parallel.autotp_size (-> mesh.tp)"
@@ -84,8 +83,6 @@ def more_rules() -> dict[str, Rule]:
             "model's compute dtype (precision.param_dtype)",
             "compute dtype",
         ),
-        "use_data_before_expert_parallelism": _refused(f"{_NO_EP}; remove the key", False),
-        "expert_parallel": _refused(f"{_NO_EP} (AutoEP); remove the block", {}, {"enabled": False}),
         "hybrid_engine": _refused(
             "DeepSpeed-Chat's hybrid engine (generation inside RLHF training) is not "
             "implemented; remove the block",

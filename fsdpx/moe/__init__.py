@@ -1,0 +1,14 @@
+"""fsdpx.moe: mixture-of-experts layers and expert parallelism.
+
+layer.py     MoE (DeepSpeed's constructor / return value), MOELayer, TopKGate
+router.py    DeepSpeed's top-1 / top-2 capacity gates and the dropless top-k router
+experts.py   stacked experts and their grouped compute
+dispatch.py  sorting tokens by expert; all_to_all dispatch under expert parallelism
+parallel.py  expert parallelism on mesh.ep, expert FSDP over the expert-data-parallel ranks
+"""
+
+from fsdpx.moe.experts import Experts
+from fsdpx.moe.layer import MoE, MOELayer, TopKGate
+from fsdpx.moe.router import Routing
+
+__all__ = ["Experts", "MOELayer", "MoE", "Routing", "TopKGate"]

@@ -1,0 +1,146 @@
+"""Experts: `num_experts` copies of one expert module, stored stacked and computed grouped.
+
+`Experts(template, num_experts)` keeps one copy of the template module whose every
+parameter is replaced by a stacked parameter of shape [num_experts, *shape], initialised
+from `num_experts` deep copies of the template: equal initial values, as DeepSpeed's `Experts`
+makes them (`reinit=True` calls each copy's `reset_parameters()` instead). Parameter names are the
+template's under `experts.`, e.g. `experts.fc1.weight` [E, out, in].
+
+[Note: stacked experts] One tensor per parameter across experts is what makes the expert
+layer cheap to parallelise: expert parallelism is `Shard(0)` of each stacked tensor over
+mesh.ep (a DTensor: checkpoints see the global [E, ...] shape whatever the ep size), and
+FSDP shards the local [E/ep, ...] block over the expert-data-parallel ranks like any
+other parameter. A ModuleList of experts would need per-rank module surgery instead.
+
+[Note: grouped expert compute] The tokens of the local experts arrive sorted by expert,
+with per-expert counts. `grouped="padded"` copies them into an [experts, max_count, d]
+buffer and runs the template once under `torch.func.vmap` (for Linear layers that is one
+batched matmul per layer); `grouped="loop"` slices the sorted tokens and runs the
+template per expert with `torch.func.functional_call`. benchmarks/moe_grouped.py measures
+both (and torch._grouped_mm for an MLP) on CPU against DeepSpeed's one-module-per-expert
+loop: on CPU none is reliably faster than that loop (numbers in its docstring), the
+padded form is the slowest under uneven loads, so the default is "loop".
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.func import functional_call, vmap
+
+Grouped = Literal["padded", "loop"]
+
+
+class Experts(nn.Module):
+    """`num_experts` experts shaped like `template` (input [n, d] -> output [n, d])."""
+
+    def __init__(
+        self, template: nn.Module, num_experts: int, grouped: Grouped = "loop", reinit: bool = False
+    ) -> None:
+        super().__init__()
+        if grouped not in ("padded", "loop"):
+            raise ValueError(f"grouped must be 'padded' or 'loop'; got {grouped!r}")
+        if any(True for _ in template.buffers()):
+            names = [n for n, _ in template.named_buffers()]
+            raise ValueError(
+                f"an expert module with buffers ({names}) cannot be stacked: experts share "
+                "one module and stack only parameters; use an expert without buffers "
+                "(e.g. Linear / activation / Linear)"
+            )
+        copies = [copy.deepcopy(template) for _ in range(num_experts)]
+        if reinit:
+            for c in copies:
+                _reset(c)
+        self.expert = copy.deepcopy(template)
+        self.num_experts = num_experts
+        self.grouped: Grouped = grouped
+        self.grad_scale = 1.0
+        """Multiplies the local experts' gradients (1 / ep under expert parallelism:
+        [Note: expert gradient scale] in fsdpx/moe/parallel.py)."""
+        self._names = [n for n, _ in template.named_parameters()]
+        for name in self._names:
+            stacked = torch.stack([c.get_parameter(name).detach() for c in copies])
+            owner, leaf = _split(self.expert, name)
+            setattr(owner, leaf, nn.Parameter(stacked))
+
+    def local_params(self) -> dict[str, Tensor]:
+        """Each stacked parameter as this rank's local block [E_local, ...] (autograd-linked)."""
+        out: dict[str, Tensor] = {}
+        for name in self._names:
+            p = self.expert.get_parameter(name)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            out[name] = (
+                _ScaleGrad.apply(local, self.grad_scale) if self.grad_scale != 1.0 else local
+            )
+        return out
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        """Run expert j on the next counts[j] rows of `x` (rows sorted by local expert)."""
+        params = self.local_params()
+        if not counts or sum(counts) == 0:
+            # Keep the parameters in the graph so every rank's backward touches them
+            # (FSDP reduce-scatters every parameter's gradient; zero here).
+            zero = sum(p.sum() for p in params.values()) * 0.0
+            return x + zero
+        if self.grouped == "loop":
+            outs = []
+            start = 0
+            for j, n in enumerate(counts):
+                if n == 0:
+                    continue
+                one = {name: p[j] for name, p in params.items()}
+                outs.append(functional_call(self.expert, one, (x[start : start + n],)))
+                start += n
+            return torch.cat(outs)
+        return self._padded(x, counts, params)
+
+    def _padded(self, x: Tensor, counts: list[int], params: dict[str, Tensor]) -> Tensor:
+        num = len(counts)
+        width = max(counts)
+        counts_t = torch.tensor(counts, device=x.device)
+        expert_of_row = torch.repeat_interleave(torch.arange(num, device=x.device), counts_t)
+        starts = torch.cumsum(counts_t, 0) - counts_t
+        slot = torch.arange(x.shape[0], device=x.device) - starts[expert_of_row]
+        flat = expert_of_row * width + slot
+        buf = x.new_zeros(num * width, x.shape[1]).index_copy(0, flat, x)
+
+        def one(p: dict[str, Tensor], rows: Tensor) -> Tensor:
+            return functional_call(self.expert, p, (rows,))
+
+        out = vmap(one)(params, buf.view(num, width, -1))
+        return out.reshape(num * width, -1).index_select(0, flat)
+
+
+def scale_grad(x: Tensor, scale: float) -> Tensor:
+    """`x` in forward; its gradient times `scale` in backward (x itself when scale is 1)."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _split(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
+
+
+def _reset(module: nn.Module) -> None:
+    """Re-initialise every submodule that can (each expert gets its own initial values)."""
+    for m in module.modules():
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
