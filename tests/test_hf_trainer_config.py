@@ -129,3 +129,33 @@ def test_a_native_config_must_agree_with_the_arguments() -> None:
         r"- fsdpx gradient_clipping=0.0 vs hf max_grad_norm=1.0",
     ):
         check_native(cfg, _args(), "<Config>")
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"sp": 2}, {"ep": 2}])
+def test_trainer_refuses_meshes_beyond_data_parallel(tmp_path: Path, mesh: dict) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from fsdpx.hf import Trainer
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(NotImplementedError, match=r"runs data-parallel meshes only .*mesh\.sp="):
+        Trainer(
+            model=model,
+            args=args,
+            fsdpx_config={
+                "zero": {"stage": 2},
+                "mesh": mesh,
+                "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+                "gradient_clipping": args.max_grad_norm,
+            },
+        )

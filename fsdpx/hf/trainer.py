@@ -165,12 +165,13 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
         else:
             cfg = source.native
             check_native(cfg, self.args, source.name)
-        if cfg.mesh.tp > 1 or cfg.mesh.pp > 1:
+        if cfg.mesh.tp > 1 or cfg.mesh.pp > 1 or cfg.mesh.sp > 1 or cfg.mesh.ep > 1:
             raise NotImplementedError(
                 f"{source.name}: fsdpx.hf.Trainer runs data-parallel meshes only (ZeRO 0-3, "
-                f"HSDP); got mesh.tp={cfg.mesh.tp}, mesh.pp={cfg.mesh.pp}. The Trainer's data "
-                "loader splits batches over every rank; use fsdpx.shard with your own loop "
-                "for tensor or pipeline parallelism"
+                f"HSDP); got mesh.tp={cfg.mesh.tp}, mesh.pp={cfg.mesh.pp}, "
+                f"mesh.sp={cfg.mesh.sp}, mesh.ep={cfg.mesh.ep}. The Trainer's data loader "
+                "splits batches over every rank; use fsdpx.shard (and fsdpx.sequence.shard_batch "
+                "for sp) with your own loop for tensor, pipeline, sequence or expert parallelism"
             )
         return cfg
 
