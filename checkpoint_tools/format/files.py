@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -128,9 +129,18 @@ class DataFiles:
         self._files[rf.rank] = f
         return f
 
-    def stored(self, rf: RankFile, chunk: Chunk, name: str, buf: np.ndarray) -> memoryview:
-        """The checksum-verified stored bytes of `chunk` of tensor `name`, read into `buf`
-        (at least chunk.stored_size bytes); the view is valid while `buf` is unchanged."""
+    def stored(
+        self,
+        rf: RankFile,
+        chunk: Chunk,
+        name: str,
+        buf: np.ndarray,
+        crc32: Callable[[memoryview], int] | None = zlib.crc32,
+    ) -> memoryview:
+        """The stored bytes of `chunk` of tensor `name`, read into `buf` (at least
+        chunk.stored_size bytes) and checked with `crc32` (None: the caller checks them,
+        as codec 2's decoder does while it unshuffles); the view is valid while `buf` is
+        unchanged."""
         path = self.directory / rf.data_file
         try:
             n = os.preadv(self._open(rf).fileno(), [buf.data], chunk.offset)
@@ -139,7 +149,7 @@ class DataFiles:
                 f"cannot read chunk ({exc.strerror})", path=path, tensor=name, offset=chunk.offset
             ) from None
         view = buf.data[:n]
-        if n != chunk.stored_size or zlib.crc32(view) != chunk.crc32:
+        if n != chunk.stored_size or (crc32 is not None and crc32(view) != chunk.crc32):
             raise CheckpointCorruptError(
                 f"chunk of {chunk.stored_size} bytes fails its CRC-32 check (expected "
                 f"{chunk.crc32:#010x}): the data file is damaged; verify older checkpoints",

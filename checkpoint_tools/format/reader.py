@@ -25,7 +25,9 @@ from checkpoint_tools.format.errors import (
     CheckpointNotFoundError,
 )
 from checkpoint_tools.format.files import DataFiles, read_whole
+from checkpoint_tools.format.kernels import DEFAULT_KERNELS, Kernels
 from checkpoint_tools.format.layout import (
+    CODEC_PLANES,
     CONTAINER_HEADER,
     INDEX_MAGIC,
     MANIFEST_MAGIC,
@@ -54,6 +56,7 @@ class CheckpointReader:
 
     Args:
         directory: the checkpoint directory holding MANIFEST and rank-NNNNN.* files.
+        kernels: shuffle / CRC kernels ([Note: codec injection]); numpy + zlib by default.
 
     Raises:
         CheckpointNotFoundError: no directory or no MANIFEST (an unfinished checkpoint).
@@ -66,8 +69,11 @@ class CheckpointReader:
             top = r.read("model/fc.weight", (0, 0), (2, 4))    # a rectangle of it
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, kernels: Kernels | None = None
+    ) -> None:
         self.directory = Path(directory)
+        self.kernels = kernels if kernels is not None else DEFAULT_KERNELS
         if not self.directory.is_dir():
             raise CheckpointNotFoundError(
                 "checkpoint directory does not exist", path=self.directory
@@ -108,7 +114,7 @@ class CheckpointReader:
         body = unpack_container(path, raw, INDEX_MAGIC, MAX_INDEX_BYTES)
         _, major, minor, _, _ = CONTAINER_HEADER.unpack_from(raw)
         self._data.versions[rf.rank] = (major, minor)
-        return parse_index(body, path, rf)
+        return parse_index(body, path, rf, minor)
 
     def _check_tensor(
         self, name: str, group: list[tuple[torch.dtype, tuple[int, ...], Piece]]
@@ -244,6 +250,8 @@ class CheckpointReader:
                         itemsize(dtype),
                         self._scratch("cached", chunk.raw_size),
                         self._scratch("planes", chunk.raw_size),
+                        kernels=self.kernels,
+                        expected_crc=None,
                         path=self.directory / rf.data_file,
                         tensor=name,
                         offset=chunk.offset,
@@ -275,18 +283,23 @@ class CheckpointReader:
             self._bufs[key] = buf
         return buf[:nbytes]
 
-    def _stored(self, rf: RankFile, chunk: Chunk, name: str) -> memoryview:
-        return self._data.stored(rf, chunk, name, self._scratch("stored", chunk.stored_size))
+    def _stored(self, rf: RankFile, chunk: Chunk, name: str, *, verify: bool = True) -> memoryview:
+        buf = self._scratch("stored", chunk.stored_size)
+        return self._data.stored(rf, chunk, name, buf, self.kernels.crc32 if verify else None)
 
     def _decode(self, meta: TensorMeta, piece: Piece, k: int, dst: np.ndarray) -> None:
         chunk = piece.chunks[k]
         rf = self.rank_files[piece.rank]
+        # Codec 2 frames are checked by the decoder in the pass that unshuffles them.
+        fused = chunk.codec == CODEC_PLANES
         codec.decode_into(
-            self._stored(rf, chunk, meta.name),
+            self._stored(rf, chunk, meta.name, verify=not fused),
             chunk.codec,
             itemsize(meta.dtype),
             dst,
             self._scratch("planes", chunk.raw_size),
+            kernels=self.kernels,
+            expected_crc=chunk.crc32 if fused else None,
             path=self.directory / rf.data_file,
             tensor=meta.name,
             offset=chunk.offset,
