@@ -25,6 +25,7 @@ from checkpoint_tools.format import (
 )
 from checkpoint_tools.format.kernels import NumpyKernels, crc32_combine
 from checkpoint_tools.format.layout import CODEC_PLANES, CODEC_RAW, CODEC_SHUFFLE_ZSTD
+from tests.test_ckpt_hostile import zstd_frame_declaring
 
 GOLDEN = Path(__file__).parent / "data" / "ckpt_golden"
 
@@ -205,6 +206,53 @@ def test_inconsistent_plane_sizes_with_a_matching_crc_are_refused(tmp_path: Path
         r.read("model/w")
 
 
+def test_zstd_plane_declaring_a_huge_size_is_refused_before_decompressing(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "c"
+    shutil.copytree(GOLDEN / "planes", d)
+    offset, stored, *_ = _planes_chunk(d, "model/w")
+    raw = bytearray((d / "rank-00000.data").read_bytes())
+    frame = raw[offset : offset + stored]
+    sizes = list(struct.unpack_from("<4I", frame))
+    bomb = zstd_frame_declaring(1 << 40)  # a frame header claiming a terabyte
+    head = 16 + sum(sizes[:3])
+    new = frame[:head] + bomb
+    new[12:16] = struct.pack("<I", len(bomb))
+    data = raw[:offset] + new + raw[offset + stored :]
+    (d / "rank-00000.data").write_bytes(bytes(data))
+    body = index_body(d)
+    delta = len(new) - stored
+    for p in body["pieces"]:
+        for c in p["chunks"]:
+            if c[0] == offset:
+                c[1], c[3] = len(new), zlib.crc32(new)
+            elif c[0] > offset:
+                c[0] += delta
+    _resign_index(d, body, delta)
+    with (
+        CheckpointReader(d) as r,
+        pytest.raises(CheckpointCorruptError, match="zstd frame declares 1099511627776 bytes"),
+    ):
+        r.read("model/w")
+
+
+def _resign_index(d: Path, body: dict, data_delta: int) -> None:
+    body["data_size"] += data_delta
+    idx = (d / "rank-00000.index").read_bytes()
+    new = msgpack.packb(body, use_bin_type=True)
+    head = idx[:16] + struct.pack("<Q", len(new))
+    (d / "rank-00000.index").write_bytes(head + new + struct.pack("<I", zlib.crc32(head + new)))
+    raw = (d / "MANIFEST").read_bytes()
+    (n,) = struct.unpack_from("<Q", raw, 16)
+    man = msgpack.unpackb(raw[24 : 24 + n])
+    man["ranks"][0]["data_size"] += data_delta
+    packed = msgpack.packb(man, use_bin_type=True)
+    mhead = raw[:16] + struct.pack("<Q", len(packed))
+    (d / "MANIFEST").write_bytes(mhead + packed + struct.pack("<I", zlib.crc32(mhead + packed)))
+    _fix_manifest(d)
+
+
 def test_crc32_combine_matches_zlib() -> None:
     rnd = random.Random(0)
     for _ in range(50):
@@ -223,6 +271,24 @@ def test_numpy_kernels_shuffle_and_unshuffle_invert() -> None:
     back = np.zeros_like(src)
     got = k.unshuffle_crc([planes[i * 1000 : (i + 1) * 1000] for i in range(4)], back, True)
     assert np.array_equal(back, src) and got[3] == zlib.crc32(planes[3000:].data)
+
+
+def test_parallel_reads_and_pipelined_writes_give_the_same_tensors(tmp_path: Path) -> None:
+    t = weights(60_000).reshape(300, 200)
+    for threads in (1, 3):
+        d = tmp_path / str(threads)
+        w = RankWriter(d, 0, chunk_bytes=4000, threads=threads, file_id=b"t" * 16)
+        w.add("model/t", t, global_shape=t.shape, offsets=(0, 0))
+        write_manifest(d, world_size=1, rank_files=[w.close()], state={})
+    assert (tmp_path / "1" / "rank-00000.data").read_bytes() == (
+        tmp_path / "3" / "rank-00000.data"
+    ).read_bytes()
+    with CheckpointReader(tmp_path / "3", threads=3) as r:
+        assert torch.equal(r.read("model/t"), t)
+        assert torch.equal(r.read("model/t", (7, 0), (250, 200)), t[7:257])
+        assert torch.equal(r.read("model/t", (7, 3), (250, 190)), t[7:257, 3:193])
+    with pytest.raises(ValueError, match="threads must be a positive int; got 0"):
+        CheckpointReader(tmp_path / "3", threads=0)
 
 
 if __name__ == "__main__":  # regenerate: python -m tests.test_ckpt_planes

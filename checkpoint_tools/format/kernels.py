@@ -76,8 +76,10 @@ def _x2n_table() -> tuple[int, ...]:
     return tuple(table)
 
 
-def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """zlib's crc32_combine: multiply crc_a by x^(8 * len_b), then add crc_b."""
+@functools.lru_cache(maxsize=1024)
+def _x8n(len_b: int) -> int:
+    """x^(8 * len_b) modulo the polynomial. Cached: a writer's plane and part lengths
+    repeat from chunk to chunk, so a combine is then one `_multmodp` (~10 us)."""
     table = _x2n_table()
     p, k, n = 1 << 31, 3, len_b  # x^0; k = 3 because len_b counts bytes (8 = 2^3 bits)
     while n:
@@ -85,7 +87,12 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
             p = _multmodp(table[k & 31], p)
         n >>= 1
         k += 1
-    return _multmodp(p, crc_a) ^ crc_b
+    return p
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """zlib's crc32_combine: CRC-32 of a + b = crc_a * x^(8 * len_b) + crc_b."""
+    return _multmodp(_x8n(len_b), crc_a) ^ crc_b
 
 
 class NumpyKernels:
