@@ -111,6 +111,8 @@ class CheckpointReader:
             for name, dtype, gshape, piece in self._load_index(rf):
                 grouped.setdefault(name, []).append((dtype, gshape, piece))
         self._meta = {name: self._check_tensor(name, g) for name, g in grouped.items()}
+        # The newest version any file uses (a 1.1 checkpoint keeps a 1.0 MANIFEST).
+        self.format_version = max([self.format_version, *self._data.versions.values()])
 
     def _load_index(self, rf: RankFile) -> list[tuple[str, torch.dtype, tuple[int, ...], Piece]]:
         path = self.directory / rf.index_file
