@@ -10,6 +10,10 @@ Smallest run::
 
     torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint.py --params-m 4
 
+One rank with 2 codec threads (the "2 cores per rank" case), bf16::
+
+    torchrun --standalone --nproc_per_node=1 benchmarks/checkpoint.py --threads 2 --dtype bf16
+
 What is measured
 ----------------
 One model (a stack of `--layers` square-ish Linear blocks, fp32, `--params-m` million
@@ -24,13 +28,15 @@ step so the optimizer state exists. Its sharded state (parameters + exp_avg + ex
   saves: the first allocates the host snapshot buffers, the next reuses them (the
   steady state of a training run);
 * **DCP**: `torch.distributed.checkpoint.save` of `get_state_dict(model, optimizer)`
-  (FileSystemWriter defaults: fsync on);
+  (FileSystemWriter defaults: fsync on); **DCP async**: `async_save`, blocking time until
+  it returns, total until its future is done;
 * **torch.save**: each rank `torch.save`s its local shards (model and optimizer state
   dicts of local tensors) to one file, then fsyncs it.
 
 Each save starts after a barrier and ends when the slowest rank is done (another
 barrier). Loads: `engine.load_checkpoint` vs `torch.distributed.checkpoint.load` into the
-same state dicts plus `set_state_dict`. Loads read files just written, so mostly from the
+same state dicts plus `set_state_dict`. Next to each time: the CPU seconds each rank spent
+(process CPU time, all its threads), as `r0/r1`. Loads read files just written, so mostly from the
 page cache, for both sides alike. One run on a shared machine: timings are noisy; bytes
 are exact.
 """
@@ -75,13 +81,23 @@ def build(params_m: float, layers: int) -> tuple[nn.Sequential, int]:
     return nn.Sequential(*blocks), width
 
 
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds from a common start to the slowest rank's end."""
+CPU: dict[str, list[float]] = {}
+
+
+def timed(fn: Callable[[], object], label: str = "") -> float:
+    """Seconds from a common start to the slowest rank's end; each rank's CPU seconds go
+    to CPU[label]."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    cpu = time.process_time() - c0
     dist.barrier()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    if label:
+        got: list[float] = [0.0] * dist.get_world_size()
+        dist.all_gather_object(got, cpu)
+        CPU[label] = got
+    return wall
 
 
 def du(path: Path) -> int:
@@ -109,19 +125,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--compression", choices=("zstd", "none"), default="zstd")
+    ap.add_argument("--threads", type=int, default=0, help="checkpoint.threads (0: auto)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
     base_cfg = {
         "zero": {"stage": 3},
-        "checkpoint": {"compression": args.compression},
+        "checkpoint": {"compression": args.compression, "threads": args.threads},
         "timeout_s": 1800,
     }
     model, width = build(args.params_m, args.layers)
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)  # bf16 parameters and AdamW state
     engine = fsdpx.shard(model, fsdpx.Config.from_dict(base_cfg))
     rank = dist.get_rank()
     nparams = sum(p.numel() for p in engine.module.parameters())
-    x = torch.randn(2, width)
+    x = torch.randn(2, width, dtype=next(model.parameters()).dtype)
     engine.backward(engine(x).pow(2).mean())
     engine.step()
 
@@ -133,15 +153,36 @@ def main() -> None:
     rows: dict[str, float] = {}
     sizes: dict[str, int] = {}
 
-    rows["fsdpx save"] = timed(lambda: engine.save_checkpoint(scratch / "fsdpx", tag="sync"))
+    rows["fsdpx save"] = timed(
+        lambda: engine.save_checkpoint(scratch / "fsdpx", tag="sync"), "fsdpx save"
+    )
     sizes["fsdpx"] = du(scratch / "fsdpx" / "sync")
 
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer)
     dcp_state = {"model": model_sd, "optim": optim_sd}
-    rows["DCP save"] = timed(lambda: dcp.save(dcp_state, checkpoint_id=scratch / "dcp"))
+    rows["DCP save"] = timed(lambda: dcp.save(dcp_state, checkpoint_id=scratch / "dcp"), "DCP save")
     sizes["DCP"] = du(scratch / "dcp")
+    pending: list[object] = []
+    # async_save runs its collectives from a background thread: on a group of their own,
+    # so they never interleave with this script's barriers on the default group.
+    dcp_group = dist.new_group(backend="gloo")
+    blocking = timed(
+        lambda: pending.append(
+            dcp.async_save(dcp_state, checkpoint_id=scratch / "dcp_async", process_group=dcp_group)
+        ),
+        "DCP async save (blocking)",
+    )
+    rows["DCP async save (blocking)"] = blocking
+    rows["DCP async save (total)"] = blocking + timed(
+        lambda: pending[0].result(),  # type: ignore[attr-defined]
+        "DCP async save (rest)",
+    )
+    if rank == 0:
+        shutil.rmtree(scratch / "dcp_async")
 
-    rows["torch.save save"] = timed(lambda: torch_save_shards(engine, scratch / "torchsave"))
+    rows["torch.save save"] = timed(
+        lambda: torch_save_shards(engine, scratch / "torchsave"), "torch.save save"
+    )
     sizes["torch.save"] = du(scratch / "torchsave")
     if rank == 0:
         shutil.rmtree(scratch / "torchsave")
@@ -154,7 +195,9 @@ def main() -> None:
         rows[f"fsdpx async save #{i} (total)"] = blocking + timed(engine.wait_for_checkpoint)
     engine._checkpointer.async_save = False
 
-    rows["fsdpx load"] = timed(lambda: engine.load_checkpoint(scratch / "fsdpx", tag="sync"))
+    rows["fsdpx load"] = timed(
+        lambda: engine.load_checkpoint(scratch / "fsdpx", tag="sync"), "fsdpx load"
+    )
 
     def dcp_load() -> None:
         m, o = get_state_dict(engine.module, engine.optimizer)
@@ -162,17 +205,24 @@ def main() -> None:
         dcp.load(state, checkpoint_id=scratch / "dcp")
         set_state_dict(engine.module, engine.optimizer, model_state_dict=m, optim_state_dict=o)
 
-    rows["DCP load"] = timed(dcp_load)
+    rows["DCP load"] = timed(dcp_load, "DCP load")
 
     if rank == 0:
         print(
-            f"model: {nparams / 1e6:.1f}M fp32 params, {args.layers} layers, width {width}; "
-            f"2 gloo ranks, ZeRO-3, AdamW state; compression={args.compression}"
+            f"model: {nparams / 1e6:.1f}M {args.dtype} params, {args.layers} layers, width "
+            f"{width}; {dist.get_world_size()} gloo ranks, ZeRO-3, AdamW state; "
+            f"compression={args.compression}, checkpoint threads="
+            f"{engine._checkpointer.options.threads}"
         )
-        print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
-        print(f"{'what':34s} {'seconds':>9s}")
+        print(
+            f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} "
+            "(shared: compare ratios within this run, not seconds across runs)"
+        )
+        print(f"{'what':34s} {'seconds':>9s}  CPU s per rank")
         for k, v in rows.items():
-            print(f"{k:34s} {v:9.2f}")
+            cpu = CPU.get(k)
+            shown = "/".join(f"{c:.2f}" for c in cpu) if cpu else ""
+            print(f"{k:34s} {v:9.2f}  {shown}")
         print(f"{'bytes on disk':34s} {'MB':>9s}")
         for k, v in sizes.items():
             print(f"{k:34s} {v / 1e6:9.1f}")
@@ -180,7 +230,14 @@ def main() -> None:
             "ratio fsdpx/DCP: "
             f"bytes={sizes['fsdpx'] / sizes['DCP']:.3f} (goal <= 0.85) "
             f"save_time={rows['fsdpx save'] / rows['DCP save']:.3f} (goal <= 1.0) "
-            f"load_time={rows['fsdpx load'] / rows['DCP load']:.3f}"
+            f"load_time={rows['fsdpx load'] / rows['DCP load']:.3f} (goal <= 1.0) "
+            f"save_cpu={sum(CPU['fsdpx save']) / sum(CPU['DCP save']):.3f} "
+            f"load_cpu={sum(CPU['fsdpx load']) / sum(CPU['DCP load']):.3f}"
+        )
+        print(
+            "ratio fsdpx async/DCP async: "
+            f"blocking={rows['fsdpx async save #2 (blocking)'] / rows['DCP async save (blocking)']:.3f} "
+            f"total={rows['fsdpx async save #2 (total)'] / rows['DCP async save (total)']:.3f}"
         )
         print(
             "ratio fsdpx/torch.save: "

@@ -530,8 +530,9 @@ class CheckpointConfig:
     keep_last: int = 0
     """Keep this many newest checkpoints (never deleting the one `latest` names); 0: all."""
     threads: int = 0
-    """Threads per rank that shuffle, compress and checksum while saving (the files are
-    byte-identical for any count); 0: min(4, CPU count)."""
+    """Threads per rank that shuffle, compress and checksum while saving, and read, check
+    and decode while loading, in parallel with the file I/O (the files are byte-identical
+    for any count); 0: min(4, CPU count)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.zstd_level <= 22, "checkpoint.zstd_level", self.zstd_level, "in [1, 22]")

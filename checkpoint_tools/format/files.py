@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -74,11 +76,17 @@ class DataFiles:
         # (major, minor) of each rank's index; its data header must carry the same.
         self.versions: dict[int, tuple[int, int]] = {}
         self._files: dict[int, BinaryIO] = {}
+        self._lock = threading.Lock()  # reader threads open each file once
 
     def _open(self, rf: RankFile) -> BinaryIO:
         f = self._files.get(rf.rank)
         if f is not None:
             return f
+        with self._lock:
+            f = self._files.get(rf.rank)
+            return f if f is not None else self._open_checked(rf)
+
+    def _open_checked(self, rf: RankFile) -> BinaryIO:
         path = self.directory / rf.data_file
         f = open_inside(self.directory, rf.data_file)
         try:
@@ -128,9 +136,17 @@ class DataFiles:
         self._files[rf.rank] = f
         return f
 
-    def stored(self, rf: RankFile, chunk: Chunk, name: str, buf: np.ndarray) -> memoryview:
-        """The checksum-verified stored bytes of `chunk` of tensor `name`, read into `buf`
-        (at least chunk.stored_size bytes); the view is valid while `buf` is unchanged."""
+    def stored(
+        self,
+        rf: RankFile,
+        chunk: Chunk,
+        name: str,
+        buf: np.ndarray,
+        crc32: Callable[[memoryview], int] = zlib.crc32,
+    ) -> memoryview:
+        """The stored bytes of `chunk` of tensor `name`, read into `buf` (at least
+        chunk.stored_size bytes) and checked with `crc32` (the injected kernels' CRC); the
+        view is valid while `buf` is unchanged."""
         path = self.directory / rf.data_file
         try:
             n = os.preadv(self._open(rf).fileno(), [buf.data], chunk.offset)
@@ -139,7 +155,7 @@ class DataFiles:
                 f"cannot read chunk ({exc.strerror})", path=path, tensor=name, offset=chunk.offset
             ) from None
         view = buf.data[:n]
-        if n != chunk.stored_size or zlib.crc32(view) != chunk.crc32:
+        if n != chunk.stored_size or crc32(view) != chunk.crc32:
             raise CheckpointCorruptError(
                 f"chunk of {chunk.stored_size} bytes fails its CRC-32 check (expected "
                 f"{chunk.crc32:#010x}): the data file is damaged; verify older checkpoints",

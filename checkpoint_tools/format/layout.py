@@ -32,7 +32,10 @@ from checkpoint_tools.format.errors import (
 )
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
+# The oldest minor version still written: files that use no 1.1 feature (codec 2) are
+# written as 1.0 (FORMAT.md §7: writers write the lowest version that describes them).
+BASE_MINOR = 0
 
 DATA_MAGIC = b"FSDPXDAT"
 INDEX_MAGIC = b"FSDPXIDX"
@@ -46,6 +49,7 @@ CRC = struct.Struct("<I")
 # Codecs of one chunk (FORMAT.md §3). A chunk that zstd does not shrink is stored raw.
 CODEC_RAW = 0
 CODEC_SHUFFLE_ZSTD = 1
+CODEC_PLANES = 2  # format 1.1: byte planes, each raw or zstd ([Note: byte-plane coding])
 
 # Upper bounds a reader enforces before allocating (FORMAT.md §6).
 MAX_CHUNK_BYTES = 256 << 20
@@ -115,8 +119,8 @@ def check_tensor_name(name: object) -> str | None:
     return None
 
 
-def pack_container(magic: bytes, body: bytes) -> bytes:
-    head = CONTAINER_HEADER.pack(magic, FORMAT_MAJOR, FORMAT_MINOR, 0, len(body))
+def pack_container(magic: bytes, body: bytes, minor: int = FORMAT_MINOR) -> bytes:
+    head = CONTAINER_HEADER.pack(magic, FORMAT_MAJOR, minor, 0, len(body))
     crc = zlib.crc32(body, zlib.crc32(head))
     return head + body + CRC.pack(crc)
 

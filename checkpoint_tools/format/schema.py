@@ -15,6 +15,7 @@ import torch
 
 from checkpoint_tools.format.errors import CheckpointCorruptError, CheckpointFormatError
 from checkpoint_tools.format.layout import (
+    CODEC_PLANES,
     CODEC_RAW,
     CODEC_SHUFFLE_ZSTD,
     DATA_HEADER,
@@ -161,10 +162,10 @@ def parse_manifest(body: Any, path: Path) -> tuple[int, list[RankFile], dict[str
 
 
 def parse_index(
-    body: Any, path: Path, rf: RankFile
+    body: Any, path: Path, rf: RankFile, minor: int = 0
 ) -> list[tuple[str, torch.dtype, tuple[int, ...], Piece]]:
-    """Validate one rank's decoded index against its MANIFEST entry; return its pieces as
-    (name, dtype, global shape, piece)."""
+    """Validate one rank's decoded index (format 1.`minor`) against its MANIFEST entry;
+    return its pieces as (name, dtype, global shape, piece)."""
     if not isinstance(body, dict):
         raise CheckpointFormatError("index body must be a map", path=path)
     checks = (
@@ -192,7 +193,7 @@ def parse_index(
                 f"piece {i}: invalid tensor name {name!r}: {why}", path=path
             )
         assert isinstance(name, str)
-        out.append(_parse_piece(raw, name, path, rf))
+        out.append(_parse_piece(raw, name, path, rf, minor))
         if name in seen:
             raise CheckpointFormatError(
                 "tensor appears twice in one rank's index", path=path, tensor=name
@@ -202,7 +203,7 @@ def parse_index(
 
 
 def _parse_piece(
-    raw: dict[Any, Any], name: str, path: Path, rf: RankFile
+    raw: dict[Any, Any], name: str, path: Path, rf: RankFile, minor: int
 ) -> tuple[str, torch.dtype, tuple[int, ...], Piece]:
     where = f"tensor {name!r}"
     dname = raw.get("dtype")
@@ -223,6 +224,16 @@ def _parse_piece(
             tensor=name,
         )
     size = itemsize(dtype)
+    # Codec 2 exists from format 1.1 on, for elements of 2+ bytes; its frame holds one
+    # 4-byte size per plane and at least one byte per plane (FORMAT.md §3.2).
+    codecs = (
+        (CODEC_RAW, CODEC_SHUFFLE_ZSTD, CODEC_PLANES)
+        if minor >= 1 and size > 1
+        else (
+            CODEC_RAW,
+            CODEC_SHUFFLE_ZSTD,
+        )
+    )
     chunks, starts, total = [], [], 0
     for c in _get(raw, "chunks", list, path, where):
         if not (isinstance(c, list) and len(c) == 5 and all(type(v) is int for v in c)):
@@ -231,7 +242,8 @@ def _parse_piece(
             )
         ch = Chunk(*c)
         bad = (
-            ch.codec not in (CODEC_RAW, CODEC_SHUFFLE_ZSTD)
+            ch.codec not in codecs
+            or (ch.codec == CODEC_PLANES and ch.stored_size < 5 * size)
             or not 0 < ch.raw_size <= MAX_CHUNK_BYTES
             or ch.raw_size % size
             or not 0 < ch.stored_size <= ch.raw_size

@@ -7,6 +7,8 @@ and calls these functions; tests and tools call them directly.
 from __future__ import annotations
 
 import os
+import queue
+import struct
 import threading
 import zlib
 from collections import deque
@@ -21,12 +23,14 @@ import torch
 import zstandard
 
 from checkpoint_tools.format import codec
+from checkpoint_tools.format.kernels import DEFAULT_KERNELS, Kernels
 from checkpoint_tools.format.layout import (
+    BASE_MINOR,
+    CODEC_PLANES,
     DATA_HEADER,
     DATA_MAGIC,
     DTYPE_NAMES,
     FORMAT_MAJOR,
-    FORMAT_MINOR,
     INDEX_MAGIC,
     MANIFEST_MAGIC,
     MANIFEST_NAME,
@@ -39,7 +43,8 @@ from checkpoint_tools.format.layout import (
 )
 from checkpoint_tools.format.root import fsync_dir, fsync_file
 
-WRITER_ID = f"fsdpx-checkpoint {FORMAT_MAJOR}.{FORMAT_MINOR}"
+# Names the MANIFEST's own version (informational); rank files carry theirs in headers.
+WRITER_ID = f"fsdpx-checkpoint {FORMAT_MAJOR}.{BASE_MINOR}"
 
 
 class RankWriter:
@@ -56,8 +61,10 @@ class RankWriter:
         chunk_bytes: bytes of raw tensor data per independently checksummed frame.
         file_id: the 16 bytes tying the data file to its index; random by default (pass
             fixed bytes only for reproducible output, e.g. golden-file tests).
-        threads: threads that shuffle, compress and checksum chunks in parallel (zstd,
-            numpy and zlib release the GIL); 1 encodes on the calling thread.
+        threads: worker threads that shuffle, compress and checksum chunks in parallel
+            (zstd, numpy, zlib and the native kernels release the GIL) while the calling
+            thread writes finished chunks in order ([Note: pipelined writer]).
+        kernels: shuffle / CRC kernels ([Note: codec injection]); numpy + zlib by default.
 
     Example::
 
@@ -77,6 +84,7 @@ class RankWriter:
         chunk_bytes: int = 4 << 20,
         file_id: bytes | None = None,
         threads: int = 1,
+        kernels: Kernels | None = None,
     ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive int; got {threads!r}")
@@ -96,13 +104,16 @@ class RankWriter:
         self.chunk_bytes = chunk_bytes
         self.level = level
         self.threads = threads
-        self._cctx = self._new_cctx() if compression == "zstd" else None
+        self.kernels = kernels if kernels is not None else DEFAULT_KERNELS
+        self._compress = compression == "zstd"
         self._local = threading.local()
-        self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix=f"ckpt-encode-{rank}")
-            if threads > 1
-            else None
-        )
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"ckpt-encode-{rank}")
+        # Scratch buffers for shuffled planes: one per chunk in flight plus the one being
+        # written, reused (fresh multi-MiB buffers cost first-touch page faults).
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        self._buffers = 0
+        self._buffer_lock = threading.Lock()
+        self._minor = BASE_MINOR
         self._file_id = file_id if file_id is not None else os.urandom(16)
         self._pieces: list[dict[str, Any]] = []
         self._names: set[str] = set()
@@ -111,7 +122,7 @@ class RankWriter:
         self._data_path = self.directory / data_file_name(rank)
         # "x": two writers claiming the same rank in one directory is a bug; fail loudly.
         self._f = open(self._data_path, "xb")  # noqa: SIM115 - closed in close()/abort()
-        header = DATA_HEADER.pack(DATA_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, self._file_id)
+        header = DATA_HEADER.pack(DATA_MAGIC, FORMAT_MAJOR, BASE_MINOR, 0, self._file_id)
         self._f.write(header)
         self._pos = len(header)
 
@@ -189,41 +200,47 @@ class RankWriter:
         size = t.element_size()
         raw = t.view(torch.uint8).numpy()
         step = max(1, self.chunk_bytes // size) * size
-        starts = range(0, len(raw), step)
         chunks = []
-        if self._pool is None:
-            encoded: Iterator[tuple[int, bytes | memoryview, int]] = (
-                self._encode(raw[a : a + step], size) for a in starts
-            )
-        else:
-            encoded = self._parallel(raw, size, step)
-        for start, (codec_id, stored, crc) in zip(starts, encoded, strict=True):
-            self._f.write(stored)
-            n = min(step, len(raw) - start)
-            chunks.append([self._pos, len(stored), n, crc, codec_id])
-            self._pos += len(stored)
+        for start, (enc, buf) in zip(
+            range(0, len(raw), step), self._pipeline(raw, size, step), strict=True
+        ):
+            for part in enc.parts:
+                self._f.write(part)
+            self._free.put(buf)  # its planes are written: reusable
+            if enc.codec == CODEC_PLANES:
+                self._minor = max(self._minor, 1)
+            chunks.append([self._pos, enc.size, min(step, len(raw) - start), enc.crc, enc.codec])
+            self._pos += enc.size
         return chunks
 
-    def _encode(self, raw: np.ndarray, size: int) -> tuple[int, bytes | memoryview, int]:
-        # One shuffle buffer per thread, reused across chunks.
-        scratch = getattr(self._local, "buf", None)
-        if scratch is None or len(scratch) < len(raw):
-            scratch = self._local.buf = np.empty(len(raw), dtype=np.uint8)
-        cctx = self._cctx
-        if cctx is not None and self._pool is not None:
-            # a ZstdCompressor must not be used by two threads at once
-            cctx = getattr(self._local, "cctx", None)
-            if cctx is None:
-                cctx = self._local.cctx = self._new_cctx()
-        return codec.encode(raw, size, cctx, scratch[: len(raw)])
+    def _encode(self, raw: np.ndarray, size: int) -> tuple[codec.Encoded, np.ndarray]:
+        buf = self._take_buffer()
+        # a ZstdCompressor must not be used by two threads at once: one per thread
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None and self._compress:
+            cctx = self._local.cctx = self._new_cctx()
+        return codec.encode(raw, size, cctx, self.kernels, buf[: len(raw)]), buf
 
-    def _parallel(
+    def _take_buffer(self) -> np.ndarray:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._buffer_lock:
+            if self._buffers < 2 * self.threads + 1:
+                self._buffers += 1
+                return np.empty(self.chunk_bytes, dtype=np.uint8)
+        return self._free.get()
+
+    def _pipeline(
         self, raw: np.ndarray, size: int, step: int
-    ) -> Iterator[tuple[int, bytes | memoryview, int]]:
-        """Encode chunks on the pool, yielding results in order with at most 2 x threads
-        chunks in flight (memory stays a few chunks, not the whole piece)."""
-        assert self._pool is not None
-        pending: deque[Future[tuple[int, bytes | memoryview, int]]] = deque()
+    ) -> Iterator[tuple[codec.Encoded, np.ndarray]]:
+        """[Note: pipelined writer] Chunks encode on the pool while the calling thread
+        writes earlier ones, in order. At most 2 x threads chunks are in flight, each
+        holding one of at most 2 x threads + 1 scratch buffers (one more is being
+        written), so memory stays a few chunks however large the piece is. The data file
+        is fsynced once, in close()."""
+        pending: deque[Future[tuple[codec.Encoded, np.ndarray]]] = deque()
         for a in range(0, len(raw), step):
             if len(pending) >= 2 * self.threads:
                 yield pending.popleft().result()
@@ -242,9 +259,13 @@ class RankWriter:
         if self._closed:
             raise ValueError(f"RankWriter for rank {self.rank} is already closed or aborted")
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._pool.shutdown()
         try:
+            if self._minor != BASE_MINOR:
+                # The header was written before any chunk; it names the version the
+                # chunks turned out to need (the index, below, repeats it).
+                self._f.flush()
+                os.pwrite(self._f.fileno(), struct.pack("<H", self._minor), 10)
             fsync_file(self._f)
         finally:
             self._f.close()
@@ -257,7 +278,7 @@ class RankWriter:
             "chunk_bytes": self.chunk_bytes,
             "pieces": self._pieces,
         }
-        blob = pack_container(INDEX_MAGIC, msgpack.packb(body, use_bin_type=True))
+        blob = pack_container(INDEX_MAGIC, msgpack.packb(body, use_bin_type=True), self._minor)
         index_name = index_file_name(self.rank)
         _write_file(self.directory / index_name, blob, exclusive=True)
         fsync_dir(self.directory)
@@ -275,8 +296,7 @@ class RankWriter:
         """Close the data file without writing an index (the engine removes the directory)."""
         if not self._closed:
             self._closed = True
-            if self._pool is not None:
-                self._pool.shutdown(cancel_futures=True)
+            self._pool.shutdown(cancel_futures=True)
             self._f.close()
 
 
@@ -324,7 +344,7 @@ def write_manifest(
         ) from None
     d = Path(directory)
     tmp = d / (MANIFEST_NAME + ".tmp")
-    _write_file(tmp, pack_container(MANIFEST_MAGIC, packed), exclusive=False)
+    _write_file(tmp, pack_container(MANIFEST_MAGIC, packed, BASE_MINOR), exclusive=False)
     os.replace(tmp, d / MANIFEST_NAME)
     fsync_dir(d)
 

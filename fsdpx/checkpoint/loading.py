@@ -50,6 +50,7 @@ from fsdpx.checkpoint.state import (
     with_masters,
 )
 from fsdpx.dtensor import to_local
+from fsdpx.ops.shuffle import checkpoint_kernels
 
 _REBUILDABLE: dict[str, type[Exception]] = {
     c.__name__: c
@@ -88,7 +89,7 @@ def older_that_verifies(path: Path) -> str:
     older = ckpts[: names.index(path.name)] if path.name in names else ckpts
     for d in reversed(older):
         try:
-            CheckpointReader(d).verify()
+            CheckpointReader(d, kernels=checkpoint_kernels()).verify()
         except (CheckpointError, OSError):
             continue
         return f" The newest older checkpoint that verifies is {str(d)!r} (tag={d.name!r})."
@@ -292,6 +293,7 @@ def load(
     load_module_only: bool = False,
     group: dist.ProcessGroup | None = None,
     partial: bool = False,
+    threads: int = 1,
 ) -> LoadResult:
     """Load a checkpoint written by fsdpx.checkpoint.save (any world size or layout).
 
@@ -306,6 +308,8 @@ def load(
         group: the process group to agree over (CPU tensors; None: the default group).
         partial: each rank holds part of the model (pipeline stages) and reads only that;
             the ranks together must hold every model tensor of the checkpoint.
+        threads: threads per rank that read and decode chunks in parallel
+            (`checkpoint.threads`; the engine passes it).
     Returns:
         LoadResult(path, client_state, engine_state).
     Raises:
@@ -334,7 +338,8 @@ def load(
         # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
         # state straight into its swap file); after_load then updates the device copies.
         owner = external_state_owner(model, optimizer)
-        with CheckpointReader(path) as reader, external_state_view(owner) as masters:
+        reader = CheckpointReader(path, kernels=checkpoint_kernels(), threads=threads)
+        with reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
                 loader,

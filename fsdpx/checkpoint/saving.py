@@ -55,6 +55,7 @@ from fsdpx.checkpoint.state import (
 )
 from fsdpx.config import Config
 from fsdpx.distributed import failure_guard
+from fsdpx.ops.shuffle import checkpoint_kernels
 
 STATE_VERSION = 1
 log = logging.getLogger("fsdpx.checkpoint")
@@ -168,7 +169,12 @@ def _describe(exc: BaseException) -> str:
 def _write_rank_file(plan: _Plan, temp: Path, rank: int, options: SaveOptions) -> dict[str, Any]:
     temp.mkdir(parents=True, exist_ok=True)
     writer = RankWriter(
-        temp, rank, compression=options.compression, level=options.level, threads=options.threads
+        temp,
+        rank,
+        compression=options.compression,
+        level=options.level,
+        threads=options.threads,
+        kernels=checkpoint_kernels(),  # [Note: codec injection]
     )
     try:
         for p in plan.pieces:
@@ -477,6 +483,7 @@ class Checkpointer:
         """fsdpx.checkpoint.load(directory, **kwargs) on this checkpointer's group, after
         waiting for the save in flight (which may be the very checkpoint asked for)."""
         self.wait()
+        kwargs.setdefault("threads", self.options.threads)
         return load(directory, group=self.group(), **kwargs)
 
     def wait(self) -> Path | None:

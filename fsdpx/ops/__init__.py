@@ -6,6 +6,8 @@
   `lamb_apply`; CPU), the trust ratio's norms summed over a sharded tensor's shards between.
 - `fsdpx.ops.aio`: asynchronous file reads/writes into host tensors.
 - `fsdpx.ops.quant`: blockwise int8 / fp8 quantization.
+- `fsdpx.ops.shuffle`: byte shuffle / unshuffle fused with CRC-32 for checkpoint chunks
+  (`checkpoint_kernels()` is what the checkpoint runtime injects into the format).
 
 Schemas live in csrc/schemas.cpp (`TORCH_LIBRARY(fsdpx, m)`), kernels in csrc/*.cpp (CPU) and
 csrc/cuda/ (CUDA). The library is built on first use into a per-user cache (see

@@ -35,5 +35,11 @@ TORCH_LIBRARY(fsdpx, m) {
   m.def("dequantize_int8(Tensor q, Tensor scales, int block_size, ScalarType dtype) -> Tensor");
   m.def("quantize_fp8(Tensor x, int block_size) -> (Tensor, Tensor)");
   m.def("dequantize_fp8(Tensor q, Tensor scales, int block_size, ScalarType dtype) -> Tensor");
+  // fsdpx/ops/shuffle.py (contract: checkpoint_tools/format/kernels.py). Byte shuffle of
+  // `size`-byte elements into planes, returning each wanted plane's CRC-32 (int64, else 0);
+  // the inverse from per-plane tensors (None: leave those bytes), CRCs when `crc`; CRC-32.
+  m.def("shuffle_crc(Tensor src, Tensor(a!) dst, int size, bool[] want) -> Tensor");
+  m.def("unshuffle_crc(Tensor?[] planes, Tensor(a!) dst, bool crc) -> Tensor");
+  m.def("crc32(Tensor data, int value) -> Tensor");
   // The aio thread pool is a custom class (torch.classes.fsdpx.AioPool), registered in aio.cpp.
 }

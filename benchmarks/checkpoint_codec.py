@@ -1,0 +1,234 @@
+"""Checkpoint codec micro-benchmarks, one process, side by side in one run:
+
+* kernels: numpy + zlib (the `checkpoint_tools` default) vs the native one-pass
+  shuffle+CRC (`fsdpx.ops.shuffle`), MB/s of raw chunk bytes;
+* encode / decode of whole 4 MiB chunks (1.0's codec 1 vs 1.1's byte planes), bytes ratio;
+* GIL: the same encode work on 1 thread and on 2 threads (a ratio near 2 means the codec
+  calls really run in parallel), next to a pure-Python control that holds the GIL;
+* index reading: what opening a checkpoint costs when every rank reads every index, with
+  a synthetic 1,024-rank index (`--ranks`, `--pieces` per rank).
+
+    python benchmarks/checkpoint_codec.py            # ~1 min on 2 busy cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import torch
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from checkpoint_tools.format import CheckpointReader, codec  # noqa: E402
+from checkpoint_tools.format.kernels import Kernels, NumpyKernels  # noqa: E402
+from checkpoint_tools.format.layout import (  # noqa: E402
+    DATA_HEADER,
+    INDEX_MAGIC,
+    MANIFEST_MAGIC,
+    pack_container,
+)
+from fsdpx.ops.shuffle import checkpoint_kernels  # noqa: E402
+
+
+def best(fn: Callable[[], object], repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def trained_like(n: int, dtype: torch.dtype) -> np.ndarray:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(n, generator=g) * 0.02).to(dtype).view(torch.uint8).numpy()
+
+
+def kernels_table(chunk: int) -> None:
+    native, ref = checkpoint_kernels(), NumpyKernels()
+    raw = trained_like(chunk // 4, torch.float32)
+    out = np.empty_like(raw)
+    mb = len(raw) / 1e6
+    print(f"kernels ({native.name} vs numpy), 4 MiB fp32 chunk, MB/s (best of 5):")
+    dst = np.empty_like(raw)
+    q = len(raw) // 4
+    planes = [out[i * q : (i + 1) * q] for i in range(4)]
+    jobs: list[tuple[str, Callable[[Kernels], object]]] = [
+        ("shuffle+CRC all planes", lambda k: k.shuffle_crc(raw, 4, out, [True] * 4)),
+        ("unshuffle+CRC all planes", lambda k: k.unshuffle_crc(planes, dst, True)),
+        ("CRC-32", lambda k: k.crc32(raw)),
+    ]
+    for label, fn in jobs:
+        n = best(functools.partial(fn, native))
+        r = best(functools.partial(fn, ref))
+        print(f"  {label:26s} native {mb / n:8.0f}  numpy {mb / r:8.0f}  ratio {r / n:5.2f}x")
+
+
+def chunk_table(chunk: int, level: int) -> None:
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    print(f"one chunk of {chunk >> 20} MiB, zstd level {level}: ms (best of 5), stored/raw")
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        _chunk_row(trained_like(chunk // size, dtype), dtype, size, cctx)
+
+
+def _chunk_row(
+    raw: np.ndarray, dtype: torch.dtype, size: int, cctx: zstandard.ZstdCompressor
+) -> None:
+    scratch, dst = np.empty_like(raw), np.empty_like(raw)
+
+    def old() -> bytes:  # format 1.0: shuffle, zstd over the whole chunk, CRC
+        NumpyKernels().shuffle_crc(raw, size, scratch, [False] * size)
+        frame = cctx.compress(scratch.data)
+        zlib.crc32(frame)
+        return frame
+
+    t_old = best(old)
+    ratio_old = len(old()) / len(raw)
+    for k in (NumpyKernels(), checkpoint_kernels()):
+        enc = codec.encode(raw, size, cctx, k, scratch)
+        t_new = best(functools.partial(codec.encode, raw, size, cctx, k, scratch))
+        stored = memoryview(b"".join(bytes(p) for p in enc.parts))
+
+        def decode(k: Kernels = k, enc: codec.Encoded = enc, stored: memoryview = stored) -> None:
+            codec.decode_into(
+                stored,
+                enc.codec,
+                size,
+                dst,
+                scratch,
+                kernels=k,
+                expected_crc=enc.crc,
+                path=Path("x"),
+                tensor="x",
+                offset=0,
+            )
+
+        t_dec = best(decode)
+        print(
+            f"  {str(dtype):15s} 1.0 encode {t_old * 1e3:6.1f} ({ratio_old:.3f})  "
+            f"1.1 {k.name:6s} encode {t_new * 1e3:6.1f} ({enc.size / len(raw):.3f}) "
+            f"decode {t_dec * 1e3:6.1f}"
+        )
+
+
+def gil_table(chunk: int, level: int, jobs: int) -> None:
+    native = checkpoint_kernels()
+    raw = trained_like(chunk // 4, torch.float32)
+
+    def encode_work() -> None:
+        cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        scratch = np.empty_like(raw)
+        for _ in range(jobs):
+            codec.encode(raw, 4, cctx, native, scratch)
+
+    def python_work() -> None:  # holds the GIL: the control
+        x = 0
+        for i in range(3_000_000):
+            x += i
+
+    print(
+        f"GIL: {jobs} chunk encodes per thread, 2 threads at once; process CPU seconds / wall "
+        "seconds (above 1.0 only if both threads ran at the same time; a busy machine lowers "
+        "both rows alike):"
+    )
+    for label, work in (
+        ("encode (1.1, native)", encode_work),
+        ("pure Python (control)", python_work),
+    ):
+        ratios = []
+        for _ in range(3):
+            ts = [threading.Thread(target=work) for _ in range(2)]
+            t0, c0 = time.perf_counter(), time.process_time()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            ratios.append((time.process_time() - c0) / (time.perf_counter() - t0))
+        print(f"  {label:22s} CPU/wall {max(ratios):4.2f} (best of 3; 2.00 = fully parallel)")
+
+
+def index_table(ranks: int, pieces: int) -> None:
+    """Every rank opens the checkpoint: MANIFEST plus all `ranks` index files."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        entries = []
+        per_rank_rows = 4096
+        for r in range(ranks):
+            body = {
+                "rank": r,
+                "file_id": bytes(16),
+                "data_file": f"rank-{r:05d}.data",
+                "data_size": 1 << 40,
+                "compression": "zstd",
+                "chunk_bytes": 4 << 20,
+                "pieces": [
+                    {
+                        "name": f"model/layer{p}.weight",
+                        "dtype": "F32",
+                        "global_shape": [per_rank_rows * ranks, 1024],
+                        "offsets": [per_rank_rows * r, 0],
+                        "shape": [per_rank_rows, 1024],
+                        "chunks": [
+                            [DATA_HEADER.size + (p * 4 + c) * (4 << 20), 3 << 20, 4 << 20, 0, 2]
+                            for c in range(4)
+                        ],
+                    }
+                    for p in range(pieces)
+                ],
+            }
+            blob = pack_container(INDEX_MAGIC, msgpack.packb(body, use_bin_type=True))
+            (d / f"rank-{r:05d}.index").write_bytes(blob)
+            entries.append(
+                {
+                    "rank": r,
+                    "index_file": f"rank-{r:05d}.index",
+                    "index_size": len(blob),
+                    "index_crc32": zlib.crc32(blob),
+                    "data_file": f"rank-{r:05d}.data",
+                    "data_size": 1 << 40,
+                    "file_id": bytes(16),
+                }
+            )
+        body = {"writer": "bench", "world_size": ranks, "ranks": entries, "state": {}}
+        (d / "MANIFEST").write_bytes(
+            pack_container(MANIFEST_MAGIC, msgpack.packb(body, use_bin_type=True), 0)
+        )
+        total = sum(f.stat().st_size for f in d.iterdir())
+        t = best(lambda: CheckpointReader(d), 2)
+        print(
+            f"index: {ranks} ranks x {pieces} pieces x 4 chunks, {total / 1e6:.1f} MB of "
+            f"index files: opening the checkpoint (every index read, parsed, coverage "
+            f"checked) takes {t:.2f} s per rank"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--level", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--pieces", type=int, default=100)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    chunk = args.chunk_mib << 20
+    print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} (shared)")
+    kernels_table(chunk)
+    chunk_table(chunk, args.level)
+    gil_table(chunk, args.level, args.jobs)
+    index_table(args.ranks, args.pieces)
+
+
+if __name__ == "__main__":
+    main()
