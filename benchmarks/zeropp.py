@@ -52,7 +52,13 @@ KINDS = ("all_gather_single", "reduce_scatter", "all_to_all_single", "all_reduce
 
 
 def train(
-    zero: dict[str, Any], *, steps: int, batch: int, lr: float, val_batches: int
+    zero: dict[str, Any],
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    val_batches: int,
+    model_cfg: GPTConfig,
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = fsdpx.Config.from_dict(
@@ -63,7 +69,6 @@ def train(
         }
     )
     torch.manual_seed(0)
-    model_cfg = GPTConfig()
     engine = fsdpx.shard(GPT(model_cfg), cfg)
     data = stdlib_corpus()
     split = data.numel() * 9 // 10
@@ -120,11 +125,23 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    ap.add_argument(
+        "--small", action="store_true", help="a 2-layer, 32-wide GPT (the smoke test's)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     names = args.cases.split(",")
-    common = dict(steps=args.steps, batch=args.batch, lr=args.lr, val_batches=args.val_batches)
+    model_cfg = (
+        GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32) if args.small else GPTConfig()
+    )
+    common = dict(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        val_batches=args.val_batches,
+        model_cfg=model_cfg,
+    )
     runs = {name: train(CASES[name], **common) for name in names}  # type: ignore[arg-type]
     if dist.get_rank() == 0:
         base = runs[names[0]]

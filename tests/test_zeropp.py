@@ -194,9 +194,10 @@ def test_bytes_at_the_collective_follow_the_formulas(trained: list[dict]) -> Non
 def test_quantized_training_tracks_the_reference(trained: list[dict]) -> None:
     """Parity with the single-process reference (bf16 compute, fp32 masters). Unquantized
     is tight. Quantized: losses within 1%; parameters are compared by how far they are
-    from the reference relative to how far the reference moved from the initialisation
-    (AdamW on 5 noisy steps turns small gradient differences into full-size updates, so
-    an elementwise tolerance means nothing here; int8 measured ~0.1-0.4, int4 ~0.35-0.8)."""
+    from the reference relative to how far the reference moved from the initialisation, all
+    tensors together (AdamW on 5 noisy steps turns small gradient differences into
+    full-size updates, so an elementwise tolerance means nothing here; per tensor int8
+    measured ~0.1-0.4, int4 ~0.35-0.8)."""
     ref_losses, ref_params = reference_run(BASE, 2, compute_dtype=torch.bfloat16)
     init = {n: p.detach() for n, p in make_model().named_parameters()}
     for name in CASES:
@@ -204,9 +205,18 @@ def test_quantized_training_tracks_the_reference(trained: list[dict]) -> None:
         for a, b in zip(losses, ref_losses, strict=True):
             assert abs(a - b) <= (1e-6 if name == "plain" else 1e-2) * abs(b), name
         limit = {"plain": 1e-5, "qgz4": 1.0}.get(name, 0.5)
-        for n, p in params.items():
-            rel = float((p - ref_params[n]).norm() / (ref_params[n] - init[n]).norm())
-            assert rel <= limit, (name, n, rel)
+        assert _drift(params, ref_params, init) <= limit, name
+
+
+def _drift(
+    params: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    init: dict[str, torch.Tensor],
+) -> float:
+    """||params - ref|| / ||ref - init|| over all tensors together."""
+    num = sum(float((params[n] - ref[n]).square().sum()) for n in ref)
+    den = sum(float((ref[n] - init[n]).square().sum()) for n in ref)
+    return math.sqrt(num / den)
 
 
 def test_hpz_qwz_payload_at_the_collective_is_int8_and_scales() -> None:
@@ -281,3 +291,36 @@ def test_estimator_table_ratios() -> None:
     assert rows[4] == dataclasses.replace(plain, setting="this config")
     text = format_comm_table(rows)
     assert "zero3 + qwZ + qgZ int4" in text and "ratio" in text
+
+
+def test_benchmark_small_twin() -> None:
+    """benchmarks/zeropp.py end to end on 2 ranks, 1 step of its small GPT (the twin of
+    the slow 300-step convergence run): the JSON has every case and the byte ratios hold."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(root / "benchmarks" / "zeropp.py"),
+        "--steps",
+        "1",
+        "--val-batches",
+        "1",
+        "--batch",
+        "4",
+        "--small",
+    ]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["qwz"]["all_gather_ratio"] <= 0.53
+    assert result["qwz_qgz"]["reduction_ratio"] <= 0.3
+    assert result["qwz_qgz4"]["reduction_ratio"] <= 0.17
+    assert "steps" in proc.stdout and "qwz_qgz4" in proc.stdout  # the text plot
