@@ -1,5 +1,5 @@
-"""Issue 20's heavier acceptance (slow tier): ZeRO++ composed with hpZ, HSDP, TP and CPU
-offload on 4 gloo ranks against the single-process reference, and convergence of the
+"""Issue 20's heavier acceptance (slow tier): ZeRO++ composed with hpZ, HSDP, TP, activation
+checkpointing and CPU offload on 4 gloo ranks against the single-process reference, and convergence of the
 example GPT (benchmarks/zeropp.py, 300 steps, 4 ranks). Their default-tier twins are in
 tests/test_zeropp.py (2-rank parity and bytes, the 4-rank hpZ payload check)."""
 
@@ -32,6 +32,14 @@ COMPOSED: dict[str, tuple[dict[str, Any], int]] = {
     # ones, so TP's unquantized run is its reference (dp 0: compared with "tp2").
     "tp2": ({**BASE, "mesh": {"tp": 2}}, 0),
     "tp2_qwz": ({**BASE, "mesh": {"tp": 2}, "zero": {"quantized_weights": True}}, 0),
+    "ac_qwz_qgz": (
+        {
+            **BASE,
+            "activation_checkpointing": {"mode": "full"},
+            "zero": {"quantized_weights": True, "quantized_gradients": True},
+        },
+        4,
+    ),
     "offload_qwz": (
         {
             **BASE,
@@ -47,7 +55,7 @@ COMPOSED: dict[str, tuple[dict[str, Any], int]] = {
 
 
 @pytest.mark.slow
-def test_zeropp_composes_with_hpz_hsdp_tp_and_offload() -> None:
+def test_zeropp_composes_with_hpz_hsdp_tp_ac_and_offload() -> None:
     """Losses within 1% of the reference each step; parameters no farther from the
     reference than half of how far the reference moved, over all tensors together (the
     2-rank twin's criterion)."""
