@@ -207,6 +207,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from fsdpx.config import Config
     from fsdpx.estimate import estimate_report, parse_count
+    from fsdpx.estimate_comm import comm_table, format_comm_table
 
     try:
         if args.config is not None:
@@ -237,6 +238,8 @@ def _estimate(args: argparse.Namespace) -> int:
             largest_layer_params=parse_count(layer) if layer else None,
             gpus_per_node=args.gpus_per_node,
         )
+        volume = format_comm_table(comm_table(target, cfg, args.world_size))
+        text = f"{text}\n\n{volume}"
     except (ValueError, OSError, ImportError, AttributeError) as exc:
         print(f"fsdpx estimate: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

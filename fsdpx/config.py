@@ -117,6 +117,20 @@ class ZeroConfig:
     hpz_partition_size: int = 1
     """ZeRO++ hpZ: after forward, keep parameters gathered within groups of this many ranks
     (secondary partition) instead of resharding fully. 1 disables it. Stage 3 only."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ: FSDP's parameter all-gathers carry blockwise-quantized shards (one fp32
+    scale per block), dequantized on arrival into the compute dtype. The fp32 master shard is
+    never quantized (fsdpx/comm/fsdp_slot.py). DeepSpeed: zero_quantized_weights."""
+    quantized_weights_dtype: Literal["int8", "fp8"] = "int8"
+    """qwZ wire format: int8 (scale = absmax / 127) or fp8 e4m3 (scale = absmax / 448)."""
+    quantized_gradients: bool = False
+    """ZeRO++ qgZ: FSDP's gradient reduce-scatter becomes a quantized all-to-all with fp32
+    accumulation of the dequantized pieces. DeepSpeed: zero_quantized_gradients."""
+    quantized_gradients_bits: Literal[8, 4] = 8
+    """qgZ wire format: 8 (int8) or 4 (int4, two values per byte; block size must be even)."""
+    quantization_block_size: int = 256
+    """Elements per fp32 scale for qwZ and qgZ (wire bytes per element: 1 + 4 / block_size
+    for int8, 0.5 + 4 / block_size for int4)."""
     block_classes: tuple[str, ...] = ()
     """Class names of the blocks to shard one by one. Empty: every nn.ModuleList /
     nn.Sequential whose children all share one class is taken as the block list."""
@@ -136,6 +150,33 @@ class ZeroConfig:
             raise ValueError(
                 f"config key 'zero.hpz_partition_size' ({self.hpz_partition_size}) needs "
                 f"zero.stage 3; got stage {self.stage}. Set stage 3 or drop hpz_partition_size."
+            )
+        _check(
+            isinstance(self.quantization_block_size, int) and self.quantization_block_size >= 1,
+            "zero.quantization_block_size",
+            self.quantization_block_size,
+            "an integer >= 1",
+        )
+        if self.quantized_weights and self.stage != 3:
+            raise ValueError(
+                f"config key 'zero.quantized_weights' (qwZ) needs zero.stage 3 (parameters are "
+                f"all-gathered only at stage 3); got stage {self.stage}. Set stage 3 or drop "
+                "quantized_weights."
+            )
+        if self.quantized_gradients and self.stage == 0:
+            raise ValueError(
+                "config key 'zero.quantized_gradients' (qgZ) needs zero.stage 1, 2 or 3 (it "
+                "replaces the gradient reduce-scatter; stage 0 all-reduces); got stage 0"
+            )
+        if (
+            self.quantized_gradients
+            and self.quantized_gradients_bits == 4
+            and self.quantization_block_size % 2
+        ):
+            raise ValueError(
+                f"config key 'zero.quantization_block_size' ({self.quantization_block_size}) "
+                "must be even with zero.quantized_gradients_bits 4: two int4 values share a "
+                "byte and a block may not split one. Use an even block size (e.g. 256)."
             )
 
 

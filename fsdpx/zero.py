@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from fsdpx.comm import fsdp_slot
 from fsdpx.config import ZeroConfig
 from fsdpx.parallel_dims import Axis, ParallelDims
 
@@ -103,12 +104,27 @@ def apply_zero(
             mp_policy=mp_policy,
             offload_policy=offload,
         )
+        install_comms(block, zero)
     # The root (embeddings, head) is needed right away in backward: never reshard it.
     fully_shard(
         model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload
     )
+    install_comms(model, zero)
     assert isinstance(model, FSDPModule)
     return model
+
+
+def install_comms(module: nn.Module, zero: ZeroConfig) -> None:
+    """fsdpx owns every FSDP module's collective slot: counted, and quantized for ZeRO++."""
+    assert isinstance(module, FSDPModule)
+    fsdp_slot.install(
+        module,
+        quantized_weights=zero.quantized_weights,
+        weights_dtype=zero.quantized_weights_dtype,
+        quantized_gradients=zero.quantized_gradients,
+        gradient_bits=zero.quantized_gradients_bits,
+        block_size=zero.quantization_block_size,
+    )
 
 
 def prepare_micro_step(model: FSDPModule, zero: ZeroConfig, *, is_boundary: bool) -> None:

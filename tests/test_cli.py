@@ -141,7 +141,11 @@ def test_config_explain_all_keys_and_usage(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert out.startswith("| DeepSpeed key | fsdpx | notes |")
     assert "| `zero_optimization.stage` | mapped (derived) |" in out
-    assert "| `zero_optimization.zero_quantized_weights` | refused (accepted when false) |" in out
+    assert "| `zero_optimization.zero_quantized_weights` | `zero.quantized_weights` |" in out
+    assert (
+        "| `zero_optimization.zero_quantized_nontrainable_weights` | refused (accepted when "
+        "false) |" in out
+    )
     assert main(["config", "explain"]) == 2
     assert "give FILE or --all-keys" in capsys.readouterr().err
 

@@ -64,7 +64,9 @@ def _bad(data: dict[str, Any], match: str) -> None:
         (
             {"zero": {"xyz": 1}},
             r"^unknown config key 'zero\.xyz'; known keys here: "
-            r"stage, hpz_partition_size, block_classes, offload_optimizer, offload_param$",
+            r"stage, hpz_partition_size, quantized_weights, quantized_weights_dtype, "
+            r"quantized_gradients, quantized_gradients_bits, quantization_block_size, "
+            r"block_classes, offload_optimizer, offload_param$",
         ),
         ({"qqq": 1}, r"^unknown config key 'qqq'; known keys here: " + ", ".join(TOP_KEYS) + "$"),
         ({7: 1}, r"^unknown config key '7'; known keys here: "),

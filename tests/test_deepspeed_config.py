@@ -311,12 +311,9 @@ REFUSALS = [
         "scheduler type 'LRRangeTest' is not built into fsdpx.*pass lr_scheduler=callable",
     ),
     (
-        {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-        r"'zero_optimization.zero_quantized_weights' = True: qwZ: not implemented yet .*set it to false",
-    ),
-    (
-        {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
-        r"'zero_optimization.zero_quantized_gradients' = True: qgZ: not implemented yet",
+        {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+        r"'zero_optimization.zero_quantized_nontrainable_weights' = True: quantized frozen "
+        r"weights: not implemented yet .*set it to false",
     ),
     (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
@@ -381,12 +378,12 @@ def test_refusals_name_the_key_and_what_to_use(extra: dict[str, Any], message: s
 def test_all_refusals_are_listed_in_one_error() -> None:
     with pytest.raises(
         ValueError,
-        match=r"<dict>: 2 DeepSpeed key\(s\) cannot be used:\n  zero_optimization.zero_quantized_weights: .*\n  optimizer.type: ",
+        match=r"<dict>: 2 DeepSpeed key\(s\) cannot be used:\n  zero_optimization.zero_quantized_nontrainable_weights: .*\n  optimizer.type: ",
     ):
         Config.from_deepspeed(
             {
                 "train_batch_size": 1,
-                "zero_optimization": {"stage": 3, "zero_quantized_weights": True},
+                "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True},
                 "optimizer": {"type": "Lion"},
             },
             world_size=1,
@@ -420,12 +417,12 @@ def test_summary_line_is_logged_once_and_pinned(caplog: pytest.LogCaptureFixture
     lines = [r for r in caplog.records if r.name == "fsdpx"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     assert lines[0].getMessage() == (
-        f"DeepSpeed config {path} -> fsdpx Config (world size 2): mapped 7: "
+        f"DeepSpeed config {path} -> fsdpx Config (world size 2): mapped 9: "
         "train_micro_batch_size_per_gpu, gradient_accumulation_steps, zero_optimization.stage, "
-        "zero_optimization.zero_hpz_partition_size, optimizer.type, optimizer.params.lr, "
-        "optimizer.params.weight_decay; ignored 3 (feature off: "
-        "zero_optimization.zero_quantized_weights, zero_optimization.zero_quantized_gradients; "
-        "FSDP2 manages this itself: zero_optimization.reduce_bucket_size). "
+        "zero_optimization.zero_hpz_partition_size, zero_optimization.zero_quantized_weights, "
+        "zero_optimization.zero_quantized_gradients, optimizer.type, optimizer.params.lr, "
+        "optimizer.params.weight_decay; ignored 1 (FSDP2 manages this itself: "
+        "zero_optimization.reduce_bucket_size). "
         f"Full table: fsdpx config explain {path}"
     )
 

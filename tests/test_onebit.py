@@ -75,7 +75,7 @@ def _exchange_body(rank: int, world: int) -> dict[str, Any]:
         t = xs[rank].clone()
         compressed_all_reduce(t, state, None)
         outs.append(t)
-    records = comm_log().records[mark:]
+    records = comm_log().since(mark)
     return {
         "outs": outs,
         "worker_error": state.worker_error,

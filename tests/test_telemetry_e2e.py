@@ -48,6 +48,11 @@ def test_two_rank_run_reaches_the_log(tmp_path: Path) -> None:
             assert r["host_rss"] > 0 and r["mem_allocated"] is None  # CPU: no allocator
             assert r["device_util"] is None and r["mfu"] is None
             assert r["comm_bytes"] == result["comm_bytes"] > 0
+        # Bytes this rank sent per step through fsdpx's FSDP slot: the same every step
+        # (ZeRO-3: all-gathers and reduce-scatters; no all-to-all without qgZ).
+        sent = {(r["sent_all_gather"], r["sent_reduce_scatter"]) for r in mine}
+        assert len(sent) == 1 and min(next(iter(sent))) > 0
+        assert all(r["sent_all_to_all"] == 0 == r["sent_all_reduce"] for r in mine)
         assert mine[0]["step_time_s"] is None  # the measured (slow) step is not timed
         for r in mine[1:]:
             assert r["step_time_s"] > 0

@@ -3,8 +3,10 @@ itself goes through `fsdpx.comm.counted`, which records its kind, a sequence num
 bytes this rank sends; `fsdpx.comm.onebit` is the error-compensated 1-bit all-reduce built
 on it (used by fsdpx.onebit_adam.OneBitAdam).
 
-FSDP2's own collectives (its per-module all-gather / reduce-scatter slot) are not routed
-here yet: the quantized-collective work plugs into this package when it lands.
+FSDP2's own collectives go through `fsdpx.comm.fsdp_slot`, which fsdpx.zero installs into
+every FSDP module's all-gather / reduce-scatter slot: counted plain collectives, or ZeRO++'s
+quantized ones (qwZ, qgZ). FSDP's HSDP cross-replica all-reduce is issued by FSDP outside
+the slot and is not counted here.
 """
 
 from fsdpx.comm.counted import (

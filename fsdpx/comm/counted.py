@@ -9,19 +9,26 @@ algorithms gloo and NCCL use:
 | all_reduce         | 2 * (W - 1) / W * B(tensor)  |
 | all_to_all_single  | (W - 1) / W * B(input)       |
 | all_gather_single  | (W - 1) * B(input)           |
+| reduce_scatter     | (W - 1) / W * B(input)       |
 
 (all-reduce = reduce-scatter + all-gather of 1/W pieces; all-to-all keeps its own 1/W
-piece; all-gather forwards W - 1 pieces of the input's size.) Integer division rounds down;
+piece; all-gather forwards W - 1 pieces of the input's size; reduce-scatter is the first
+half of a ring all-reduce.) Integer division rounds down;
 a one-rank group sends nothing.
 
 [Note: one comm log] The log is process-wide (`comm_log()`), like torch's own default
 group: the collectives that make up one operation (a compressed all-reduce issues four) are
 recorded where they are issued, so a reader can sum any window of sequence numbers. A
-caller that wants per-step figures takes `mark()` before and `bytes_since(mark)` after.
+caller that wants per-step figures takes `mark()` before and `bytes_since(mark)` after, or
+diffs two `totals()` (cumulative bytes per kind, what telemetry records read). Only the
+last `KEEP_RECORDS` records are kept (a long run issues millions); the totals are exact
+over the whole process.
 
-Each call is also timed as exposed communication (`comm_wait_s` of the telemetry record,
-fsdpx/telemetry/phases.py [Note: phase spans]): these calls block until the collective is
-done, so the time inside them is time the training thread waited for it.
+The blocking calls here are also timed as exposed communication (`comm_wait_s` of the
+telemetry record, fsdpx/telemetry/phases.py [Note: phase spans]): they return when the
+collective is done, so the time inside them is time the training thread waited for it.
+FSDP's own collectives (fsdpx/comm/fsdp_slot.py) are asynchronous: they are counted, and
+marked done once issued, but not timed here.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import torch.distributed as dist
 
 from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
 
-Kind = Literal["all_reduce", "all_to_all_single", "all_gather_single"]
+Kind = Literal["all_reduce", "all_to_all_single", "all_gather_single", "reduce_scatter"]
+KINDS: tuple[Kind, ...] = ("all_reduce", "all_to_all_single", "all_gather_single", "reduce_scatter")
+KEEP_RECORDS = 100_000
 
 
 @dataclass(frozen=True)
@@ -53,28 +62,53 @@ class CommRecord:
 class CommLog:
     """The collectives this process issued through fsdpx.comm, in order."""
 
-    records: list[CommRecord] = field(default_factory=list)
+    _kept: list[CommRecord] = field(default_factory=list)
+    _next_seq: int = 0
+    _totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     completed: int = 0
     """Calls that returned: a call with seq >= completed was entered and has not returned
     (the hang dump's "inside which collective", fsdpx/telemetry/dump.py)."""
 
     def add(self, kind: Kind, bytes_sent: int, group_size: int) -> None:
-        self.records.append(CommRecord(kind, len(self.records), bytes_sent, group_size))
+        self._kept.append(CommRecord(kind, self._next_seq, bytes_sent, group_size))
+        self._next_seq += 1
+        self._totals[kind] += bytes_sent
+        if len(self._kept) > 2 * KEEP_RECORDS:
+            del self._kept[:-KEEP_RECORDS]
 
     def done(self) -> None:
         """The call entered last returned (calls are blocking: they return in order)."""
-        self.completed = len(self.records)
+        self.completed = self._next_seq
+
+    @property
+    def records(self) -> list[CommRecord]:
+        """The kept records (the last KEEP_RECORDS or more), oldest first."""
+        return self._kept
 
     def mark(self) -> int:
-        """The next sequence number (pass it to `bytes_since`)."""
-        return len(self.records)
+        """The next sequence number (pass it to `since` / `bytes_since`)."""
+        return self._next_seq
+
+    def since(self, mark: int) -> list[CommRecord]:
+        """The records with seq >= `mark`; an error if some of them were dropped."""
+        first = self._kept[0].seq if self._kept else self._next_seq
+        if mark < first:
+            raise ValueError(
+                f"comm log records from seq {mark} were dropped (kept from {first}); read "
+                "totals() for long windows"
+            )
+        return self._kept[mark - first :]
 
     def bytes_since(self, mark: int) -> int:
         """Bytes sent by the calls with seq >= `mark`."""
-        return sum(r.bytes_sent for r in self.records[mark:])
+        return sum(r.bytes_sent for r in self.since(mark))
 
     def kinds_since(self, mark: int) -> list[Kind]:
-        return [r.kind for r in self.records[mark:]]
+        return [r.kind for r in self.since(mark)]
+
+    def totals(self) -> dict[str, int]:
+        """Cumulative bytes sent per kind since the process started (a copy)."""
+        return dict(self._totals)
 
 
 _LOG = CommLog()
@@ -124,5 +158,20 @@ def all_gather_single(
     _LOG.add("all_gather_single", (w - 1) * _nbytes(input), w)
     token = _CLOCK.begin(COMM_WAIT)
     dist.all_gather_single(output, input, group=group)
+    _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()
+
+
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> None:
+    """`output` = this rank's 1/W piece of the reduction of every rank's `input`, counted."""
+    w = _size(group)
+    _LOG.add("reduce_scatter", (w - 1) * _nbytes(input) // w, w)
+    token = _CLOCK.begin(COMM_WAIT)
+    dist.reduce_scatter_single(output=output, input=input, op=op, group=group)
     _CLOCK.end(COMM_WAIT, token)
     _LOG.done()

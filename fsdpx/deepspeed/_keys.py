@@ -81,6 +81,15 @@ def _refused(note: str, *accept: Any) -> KeyRule:
 _BUCKETS = "FSDP2 communicates one fully_shard unit (block) at a time; no bucket sizes to set"
 _PREFETCH = "FSDP2 keeps the running block gathered and prefetches the next one"
 _NOT_QWZ = "not implemented yet (ZeRO++ quantized collectives); set it to false"
+_QWZ = (
+    "ZeRO++ qwZ: FSDP's all-gathers carry int8 blocks of zero.quantization_block_size "
+    "(default 256) with fp32 scales"
+)
+_QGZ = (
+    "ZeRO++ qgZ: the gradient reduce-scatter becomes an int8 all-to-all (one level; "
+    "DeepSpeed's hierarchical int4 scheme is not built: set zero.quantized_gradients_bits = 4 "
+    "in a native config for int4)"
+)
 _MONITOR_KEYS = {
     "tensorboard": ("output_path", "job_name"),
     "csv_monitor": ("output_path", "job_name"),
@@ -286,11 +295,11 @@ def _table() -> dict[str, KeyRule]:
         "zero_optimization.cpu_offload_use_pin_memory": _mapped(
             "old spelling: -> pin_memory of the cpu offloads"
         ),
-        "zero_optimization.zero_quantized_weights": _refused(f"qwZ: {_NOT_QWZ}", False),
+        "zero_optimization.zero_quantized_weights": _mapped(_QWZ, "zero.quantized_weights"),
         "zero_optimization.zero_quantized_nontrainable_weights": _refused(
             f"quantized frozen weights: {_NOT_QWZ}", False
         ),
-        "zero_optimization.zero_quantized_gradients": _refused(f"qgZ: {_NOT_QWZ}", False),
+        "zero_optimization.zero_quantized_gradients": _mapped(_QGZ, "zero.quantized_gradients"),
         "zero_optimization.zeropp_loco_param": _refused(
             "ZeRO++ LoCo error feedback is not implemented; remove the key", None
         ),

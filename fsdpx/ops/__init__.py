@@ -8,6 +8,8 @@
 - `fsdpx.ops.quant`: blockwise int8 / fp8 quantization.
 - `fsdpx.ops.shuffle`: byte shuffle / unshuffle fused with CRC-32 for checkpoint chunks
   (`checkpoint_kernels()` is what the checkpoint runtime injects into the format).
+- `fsdpx.ops.quant_int4`: blockwise int4, two values per byte (ATen ops only, no native
+  kernel: [Note: int4 has no native kernel]).
 
 Schemas live in csrc/schemas.cpp (`TORCH_LIBRARY(fsdpx, m)`), kernels in csrc/*.cpp (CPU) and
 csrc/cuda/ (CUDA). The library is built on first use into a per-user cache (see
@@ -26,6 +28,7 @@ from fsdpx.ops.adam import adam_step, adam_step_reference
 from fsdpx.ops.aio import AioError, AioHandle, AioPool, aligned_empty
 from fsdpx.ops.lamb import lamb_step
 from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
+from fsdpx.ops.quant_int4 import dequantize_int4, quantize_int4
 
 __all__ = [
     "AioError",
@@ -36,10 +39,12 @@ __all__ = [
     "adam_step_reference",
     "aligned_empty",
     "dequantize_fp8",
+    "dequantize_int4",
     "dequantize_int8",
     "lamb_step",
     "load_cuda_ops",
     "load_ops",
     "quantize_fp8",
+    "quantize_int4",
     "quantize_int8",
 ]

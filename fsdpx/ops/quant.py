@@ -38,11 +38,11 @@ holds (``qmax`` = 127 or 448; ``2**-149`` is the smallest subnormal float32).
 Gloo has no float8 collectives: send fp8 payloads as ``q.view(torch.uint8)`` and view them
 back with ``.view(torch.float8_e4m3fn)`` (a free reinterpretation, no copy).
 
-Callers: none yet. These kernels are for ZeRO++'s quantized weights and gradients (qwZ /
-qgZ, ``zero.quantized_weights`` / ``zero.quantized_gradients``), which arrive with the
-quantized-collectives issue and will call them from FSDP2's all-gather / reduce-scatter
-extension points. Until then only the tests and ``benchmarks/ops_aio.py`` use this module,
-and the DeepSpeed config translation refuses ``zero_quantized_*`` (``fsdpx/deepspeed/_keys.py``).
+Callers: ZeRO++ in FSDP's comm slot (``fsdpx/comm/fsdp_slot.py``): qwZ quantizes each
+module's all-gather input with ``quantize_int8`` / ``quantize_fp8`` and dequantizes every
+rank's piece on arrival; qgZ's int8 path quantizes each reduce-scatter piece and
+dequantizes what it receives to float32 before summing. The int4 format of qgZ lives in
+``fsdpx/ops/quant_int4.py``. ``benchmarks/ops_aio.py`` times these kernels.
 
 Example:
     >>> x = torch.randn(10_000)

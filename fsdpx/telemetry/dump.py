@@ -36,7 +36,7 @@ def collectives(last: int = LAST_COLLECTIVES) -> dict[str, Any]:
     records = log.records[-last:]
     completed = log.completed
     return {
-        "entered": len(log.records),
+        "entered": log.mark(),
         "completed": completed,
         "last": [{"seq": r.seq, "kind": r.kind, "done": r.seq < completed} for r in records],
     }

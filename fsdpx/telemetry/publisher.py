@@ -52,6 +52,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fsdpx.comm.counted import comm_log
 from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.dump import make_dump
@@ -69,6 +70,14 @@ from fsdpx.telemetry.wire.transport import (
     parse_address,
     read_secret,
 )
+
+# Record field -> fsdpx.comm kind (the record's sent_* fields, PROTOCOL.md).
+_SENT_FIELDS = {
+    "sent_all_gather": "all_gather_single",
+    "sent_reduce_scatter": "reduce_scatter",
+    "sent_all_to_all": "all_to_all_single",
+    "sent_all_reduce": "all_reduce",
+}
 
 log = logging.getLogger("fsdpx.telemetry")
 _BATCH = 512  # records per frame: ~200 KB, well under MAX_FRAME_BYTES
@@ -172,6 +181,8 @@ class Publisher:
         self.stats = PublisherStats()
         self._secret = read_secret(cfg.secret_env)
         self._records: deque[tuple[Any, ...]] = deque(maxlen=cfg.queue_size)
+        # Bytes sent per collective kind up to the previous step ([Note: one comm log]).
+        self._comm_totals = comm_log().totals()
         self._events: deque[dict[str, Any]] = deque(maxlen=cfg.queue_size)
         self._dropped_queue = 0  # written by the training thread only
         self._dropped_send = 0  # written by the sender thread only
@@ -256,6 +267,9 @@ class Publisher:
         self._last_step = result.global_step
         loss_value, loss_host, ready = self._loss_to_host()
         allocated, reserved, peak = self._alloc.at_step()
+        totals = comm_log().totals()
+        sent = {f: totals[k] - self._comm_totals[k] for f, k in _SENT_FIELDS.items()}
+        self._comm_totals = totals
         lr = self._lr
         self._lr = self._lr_of(engine.optimizer)  # the scheduler has stepped: next step's
         item = (
@@ -273,6 +287,7 @@ class Publisher:
             loss_host,
             ready,
             self._clock.take(),
+            sent,
         )
         if len(self._records) == self._records.maxlen:
             self._dropped_queue += 1
@@ -590,4 +605,5 @@ class Publisher:
             job=self.run.job,
         )
         record.update(zip(PHASE_FIELDS, phases.seconds_per_phase(), strict=True))
+        record.update(item[14])
         return record

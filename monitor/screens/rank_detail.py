@@ -24,6 +24,10 @@ _MEMORY = (
     "device_mem_total",
     "host_rss",
     "comm_bytes",
+    "sent_all_gather",
+    "sent_reduce_scatter",
+    "sent_all_to_all",
+    "sent_all_reduce",
 )
 _FIELDS = (
     "host",

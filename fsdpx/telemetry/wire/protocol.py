@@ -102,13 +102,21 @@ RECORD_FIELDS: tuple[str, ...] = (
     "dropped",
     "run_id",
     "job",
+    "sent_all_gather",
+    "sent_reduce_scatter",
+    "sent_all_to_all",
+    "sent_all_reduce",
     *PHASE_FIELDS,
 )
 """Keys of a per-step record, in this order; every key is present, None where unknown.
 Units: time in Unix seconds, memory and comm_bytes in bytes, device_util in percent
 (0-100), mfu as a fraction (0-1), dropped = records this rank lost so far. `run_id` and
 `job` say which launch and job (fsdpx/telemetry/wire/runs.py); readers treat a record without
-them (older publishers) as part of one unnamed run. The PHASE_FIELDS come last and may be
+them (older publishers) as part of one unnamed run. `sent_*` (optional, no version bump:
+DESIGN Round 2 clarification 5) are the bytes this rank sent during the step through
+fsdpx.comm, per collective kind (FSDP's all-gathers, its reduce-scatters or qgZ's
+all-to-alls, fsdpx's all-reduces; formulas in fsdpx/comm/counted.py); older publishers
+omit them and readers take a missing one as None. The PHASE_FIELDS come last and may be
 absent (see there)."""
 
 EVENT_KINDS: tuple[str, ...] = (
