@@ -80,7 +80,14 @@ def test_tiled_mlp_on_cuda_equals_untiled_with_less_activation_memory() -> None:
     yb.backward(g)
     assert_close(xb.grad, xa.grad)
     for (name, pa), pb in zip(mlp.named_parameters(), tiled.parameters(), strict=True):
-        assert_close(pb.grad, pa.grad, msg=lambda m, n=name: f"{n}: {m}")
+        # A weight gradient sums 16384 tokens' products: tile by tile (16 partial sums) the
+        # additions run in another order, and fp32 rounding of sums of this size is ~1e-6 of
+        # their magnitude (seen on an H200: 2.1e-4 on gradients of magnitude ~100, which the
+        # default atol of 1e-5 rejects). Bound the difference relative to the largest entry.
+        scale = pa.grad.abs().max().item()
+        assert_close(
+            pb.grad, pa.grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
     print(
         f"tiled MLP forward peak: untiled {peak_a / 2**20:.0f} MiB, tiled {peak_b / 2**20:.0f} MiB"
     )
