@@ -220,20 +220,9 @@ class MonitorModel:
             self.unreachable.discard(source)
         else:
             self.unreachable.add(source)
-        behind = [s for s in self.ranks.values() if s.source == source]
-        if not behind:
-            return
-        nodes = [s.record.get("node") for s in behind]
-        text = relay_event(
-            source, [n if type(n) is int else None for n in nodes], len(behind), lost=not reachable
-        )
-        event: dict[str, Any] = {
-            "rank": None,
-            "step": None,
-            "kind": "node_unreachable" if not reachable else "node_reachable",
-            "detail": {"message": text, "relay": source},
-        }
-        self._made([event], behind[-1].record, now)
+        behind = [s.record for s in self.ranks.values() if s.source == source]
+        if behind:
+            self._made([relay_event(source, behind, lost=not reachable)], behind[-1], now)
 
     def add_dumps(self, dumps: Iterable[Any]) -> None:
         """Store ranks' hang dumps (malformed ones are counted as bad records)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from monitor.state import NodeRow, RankRow, RankStatus
 
@@ -92,8 +93,16 @@ def nodes_text(nodes: Iterable[int | None]) -> str:
     return text + (" and ranks naming no node" if unknown else "")
 
 
-def relay_event(source: str, nodes: list[int | None], ranks: int, *, lost: bool) -> str:
-    """The events-log line of a relay lost or back (see [Note: unreachable nodes])."""
+def relay_event(source: str, records: list[dict[str, Any]], *, lost: bool) -> dict[str, Any]:
+    """The event of a relay lost or back, from the latest records of the ranks behind it
+    (see [Note: unreachable nodes]): one line for the node, no rank."""
+    nodes = [r.get("node") for r in records]
+    where = nodes_text([n if type(n) is int else None for n in nodes])
     what = "unreachable" if lost else "reachable again"
-    plural = "rank" if ranks == 1 else "ranks"
-    return f"relay {source} {what} ({nodes_text(nodes)}, {ranks} {plural})"
+    count = f"{len(records)} rank{'' if len(records) == 1 else 's'}"
+    return {
+        "rank": None,
+        "step": None,
+        "kind": "node_unreachable" if lost else "node_reachable",
+        "detail": {"message": f"relay {source} {what} ({where}, {count})", "relay": source},
+    }
