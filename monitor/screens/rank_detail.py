@@ -27,6 +27,7 @@ _MEMORY = (
 )
 _FIELDS = (
     "host",
+    "node",
     "local_rank",
     "pid",
     "step",
