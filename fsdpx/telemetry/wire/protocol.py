@@ -75,6 +75,9 @@ RECORD_FIELDS: tuple[str, ...] = (
     "rank",
     "local_rank",
     "host",
+    # The rank's node rank (fsdpx/telemetry/node.py), int or None; optional: older
+    # publishers' records lack it and readers take a missing one as None (no version bump).
+    "node",
     "pid",
     "step",
     "time",
@@ -102,16 +105,14 @@ RECORD_FIELDS: tuple[str, ...] = (
     "dropped",
     "run_id",
     "job",
-    "node",
     *PHASE_FIELDS,
 )
 """Keys of a per-step record, in this order; every key is present, None where unknown.
 Units: time in Unix seconds, memory and comm_bytes in bytes, device_util in percent
 (0-100), mfu as a fraction (0-1), dropped = records this rank lost so far. `run_id` and
 `job` say which launch and job (fsdpx/telemetry/wire/runs.py); readers treat a record without
-them (older publishers) as part of one unnamed run. `node` (int or None) is the rank's node
-rank (fsdpx/telemetry/node.py), absent from older publishers' records. The PHASE_FIELDS
-come last and may be absent (see there)."""
+them (older publishers) as part of one unnamed run. The PHASE_FIELDS come last and may be
+absent (see there)."""
 
 EVENT_KINDS: tuple[str, ...] = (
     "start",
