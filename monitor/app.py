@@ -203,7 +203,7 @@ class MonitorApp(App[None]):
     def on_telemetry_batch(self, message: TelemetryBatch) -> None:
         shown, known = self.shown_run, len(self.runs)
         # Records first: a batch's events (an exit) come after its records.
-        self.runs.add_records(message.records, now=message.received_at)
+        self.runs.add_records(message.records, now=message.received_at, source=message.source)
         by_run = self.runs.add_events(message.events, now=message.received_at)
         if message.dumps:
             self.runs.add_dumps(message.dumps)
@@ -231,6 +231,11 @@ class MonitorApp(App[None]):
         self._connections[message.source] = message.detail or (
             "connected" if message.connected else "disconnected"
         )
+        # Its ranks show as one unreachable node, not as ranks going stale one by one
+        # (monitor/nodes.py [Note: unreachable nodes]).
+        self.runs.set_reachable(message.source, message.connected, self.clock())
+        if made := self.model.take_made_events():
+            self.events_log.add(made, self.model.first_time)
 
     @work(thread=True, exclusive=True, group="replay-load")
     def _load_replay(self) -> None:
@@ -288,7 +293,7 @@ class MonitorApp(App[None]):
         """Take a snapshot and redraw every widget from it (the timer calls this)."""
         snap = self.model.snapshot(self.now())
         self.snapshot = snap
-        self.summary_bar.show(snap.summary, self._source_text())
+        self.summary_bar.show(snap.summary, self._source_text(), snap.nodes)
         self.curves.show(snap.loss_curve, snap.throughput_curve)
         self.table.show(snap)
         if isinstance(self.screen, RankDetailScreen | StragglersScreen | HangScreen):

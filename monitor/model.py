@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from monitor.hangs import DumpBook
+from monitor.nodes import node_rows, relay_event
 from monitor.state import (
     FLAGS_BY_BITS,
     Flag,
@@ -71,6 +72,8 @@ class _RankState:
     stopped_by: int | None = None
     ended_at: float | None = None
     """When its exit (or disconnect) arrived, on the clock of `last_seen`."""
+    source: str | None = None
+    """The relay connection its last record came through (None: replay)."""
 
 
 def _real(value: Any) -> TypeGuard[int | float]:
@@ -113,6 +116,8 @@ class MonitorModel:
     stragglers: StragglerScores = field(init=False)
     dumps: DumpBook = field(default_factory=DumpBook)
     """Hang dumps the ranks sent (monitor/hangs.py)."""
+    unreachable: set[str] = field(default_factory=set)
+    """Relay connections that are down (monitor/nodes.py [Note: unreachable nodes])."""
     made_events: list[dict[str, Any]] = field(default_factory=list)
     """Events this model made (a rank became a chronic straggler) since the app last took
     them (`take_made_events`); they are in `events` too."""
@@ -133,10 +138,14 @@ class MonitorModel:
         self.total_steps = None
         self.world_size = None
         self.first_time = None
+        self.unreachable.clear()
 
-    def add_records(self, records: Iterable[Any], now: float | None) -> None:
-        """Store records received at monitor time `now` (see [Note: clocks]); with
-        `now=None` (replay) each record counts as received at its own `time`."""
+    def add_records(
+        self, records: Iterable[Any], now: float | None, source: str | None = None
+    ) -> None:
+        """Store records received at monitor time `now` (see [Note: clocks]) through the
+        relay connection `source`; with `now=None` (replay) each record counts as
+        received at its own `time`."""
         ranks = self.ranks
         steps = self._steps
         keep = self.settings.history_steps
@@ -165,6 +174,7 @@ class MonitorModel:
                     self.first_time = t if _real(t) else seen
             state.record = rec
             state.last_seen = seen
+            state.source = source
             state.status_override = None
             state.ended_at = None
             loss = rec.get("loss")
@@ -199,6 +209,20 @@ class MonitorModel:
             event["run_id"] = rec.get("run_id")
             self.events.append(event)
             self.made_events.append(event)
+
+    def set_reachable(self, source: str, reachable: bool, now: float) -> None:
+        """The relay connection `source` went down (or came back): its ranks show as
+        unreachable (or recover), with one event for the node when it had ranks of this
+        run (monitor/nodes.py [Note: unreachable nodes])."""
+        if reachable == (source not in self.unreachable):
+            return  # no change (the receiver reports every failed reconnect)
+        if reachable:
+            self.unreachable.discard(source)
+        else:
+            self.unreachable.add(source)
+        behind = [s.record for s in self.ranks.values() if s.source == source]
+        if behind:
+            self._made([relay_event(source, behind, lost=not reachable)], behind[-1], now)
 
     def add_dumps(self, dumps: Iterable[Any]) -> None:
         """Store ranks' hang dumps (malformed ones are counted as bad records)."""
@@ -308,6 +332,8 @@ class MonitorModel:
         statuses: list[tuple[int, _RankState, RankStatus, float]] = []
         live_step_times: list[float] = []
         named_first: set[int] = set()  # ranks named by another rank's RankFailureError
+        lost = self.unreachable
+        unreachable = RankStatus.UNREACHABLE
         for rank, state in self.ranks.items():
             if state.stopped_by is not None:
                 named_first.add(state.stopped_by)
@@ -316,7 +342,10 @@ class MonitorModel:
                 age = 0.0
             status = state.status_override
             if status is None:
-                status = dead if age > dead_after else stale if age > stale_after else alive
+                if lost and state.source in lost:
+                    status = unreachable
+                else:
+                    status = dead if age > dead_after else stale if age > stale_after else alive
             statuses.append((rank, state, status, age))
             st = state.record.get("step_time_s")
             if status is alive and _real(st) and st > 0:
@@ -333,7 +362,7 @@ class MonitorModel:
         b_straggler, b_memory, b_nan = Flag.STRAGGLER.value, Flag.MEMORY.value, Flag.NAN_LOSS.value
         b_stale, b_error = Flag.STALE.value, Flag.ERROR.value
         b_first, b_peer = Flag.FAILED_FIRST.value, Flag.PEER_FAILED.value
-        b_hung = Flag.HUNG.value
+        b_hung, b_unreachable = Flag.HUNG.value, Flag.UNREACHABLE.value
         rows: dict[int, RankRow] = {}
         counts = dict.fromkeys(RankStatus, 0)
         loss_sum, loss_n = 0.0, 0
@@ -353,7 +382,9 @@ class MonitorModel:
                 bits |= b_peer
             if rank in named_first:
                 bits |= b_first
-            if state.status_override is None and age > hang_after:
+            if status is unreachable:
+                bits |= b_unreachable
+            elif state.status_override is None and age > hang_after:
                 bits |= b_hung
             st = rec.get("step_time_s")
             if _real(st) and st > straggler_cut:
@@ -398,7 +429,7 @@ class MonitorModel:
         elapsed = None
         if self.first_time is not None and self.ranks:
             end = now
-            if not counts[alive] and not counts[stale]:
+            if not counts[alive] and not counts[stale] and not counts[unreachable]:
                 end = self._stopped_at(statuses, dead_after)
             elapsed = max(0.0, end - self.first_time)
         eta = None
@@ -419,6 +450,7 @@ class MonitorModel:
             outliers=outliers,
             dropped=dropped,
             missing=max(0, (self.world_size or 0) - len(self.ranks)),
+            unreachable=counts[unreachable],
         )
         loss_curve = [(s, a.loss_sum / a.loss_n) for s, a in self._steps.items() if a.loss_n]
         tput_curve = [(s, a.tps_sum) for s, a in self._steps.items() if a.tps_n]
@@ -430,4 +462,4 @@ class MonitorModel:
             n = max(last.tps_n, prev.tps_n)
             tput_curve[-1] = (tput_curve[-1][0], last.tps_sum / last.tps_n * n)
         top = self.stragglers.top(cfg.top_stragglers)
-        return Snapshot(now, summary, rows, loss_curve, tput_curve, top)
+        return Snapshot(now, summary, rows, loss_curve, tput_curve, top, node_rows(rows.values()))

@@ -105,13 +105,21 @@ class RunBook:
             group.append(item)
         return groups
 
-    def add_records(self, records: Iterable[Any], now: float | None) -> None:
+    def add_records(
+        self, records: Iterable[Any], now: float | None, source: str | None = None
+    ) -> None:
         """Route records to their runs' models (see MonitorModel.add_records)."""
         for run_id, group in self._group(records).items():
-            self._run(run_id).add_records(group, now)
+            self._run(run_id).add_records(group, now, source)
             info = self._info[run_id]
             if info.first_step is None or info.job is None:
                 self._note(info, group)
+
+    def set_reachable(self, source: str, reachable: bool, now: float) -> None:
+        """A relay connection went down or came back: every run's ranks behind it show so
+        (see MonitorModel.set_reachable)."""
+        for model in self._models.values():
+            model.set_reachable(source, reachable, now)
 
     def add_dumps(self, dumps: Iterable[Any]) -> None:
         """Route hang dumps to their runs' models (see MonitorModel.add_dumps)."""

@@ -21,6 +21,9 @@ class RankStatus(enum.Enum):
     STALE = "stale"
     DEAD = "dead"
     EXITED = "exited"
+    UNREACHABLE = "unreachable"
+    """Its records came through a relay the monitor lost: the node is unreachable, the
+    rank itself unknown (monitor/nodes.py [Note: unreachable nodes])."""
 
 
 class Flag(enum.Flag):
@@ -45,10 +48,12 @@ class Flag(enum.Flag):
     HUNG = enum.auto()
     """Running, but no step for `hang_factor` x the live ranks' median step time: it may
     be stuck (in a collective, a loader, ...); the hang screen (`h`) asks for stacks."""
+    UNREACHABLE = enum.auto()
+    """The relay its records came through is gone (the whole node shows so)."""
 
 
-FLAGS_BY_BITS = [Flag(bits) for bits in range(256)]
-"""Every combination of the eight flags, indexed by its bits (a list lookup in the hot loop)."""
+FLAGS_BY_BITS = [Flag(bits) for bits in range(512)]
+"""Every combination of the nine flags, indexed by its bits (a list lookup in the hot loop)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,8 @@ class Summary:
     dropped: int
     missing: int = 0
     """Ranks of the run (world size from the start events) never heard from."""
+    unreachable: int = 0
+    """Ranks whose relay the monitor lost (monitor/nodes.py)."""
 
 
 @dataclass(frozen=True)
@@ -153,3 +160,20 @@ class Snapshot:
     throughput_curve: list[tuple[int, float]]
     stragglers: list[StragglerRow] = field(default_factory=list)
     """The slowest ranks by phase, chronic first (monitor/stragglers.py)."""
+    nodes: list[NodeRow] = field(default_factory=list)
+    """Per-node aggregates, unreachable and slowest first; empty when no rank names its
+    node (monitor/nodes.py)."""
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One node at a glance: its ranks, its slowest step time, its largest memory."""
+
+    node: int | None
+    """The node rank (records' `node`); None: ranks that name no node, behind a lost relay."""
+    ranks: int
+    unreachable: int
+    """Of `ranks`, those whose relay is gone."""
+    slowest_step_s: float | None
+    max_mem: float | None
+    """Bytes: the largest per-rank device reservation, else host RSS, of its ranks."""

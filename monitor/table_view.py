@@ -94,6 +94,7 @@ FLAG_LETTERS: tuple[tuple[Flag, str], ...] = (
     (Flag.FAILED_FIRST, "F"),
     (Flag.PEER_FAILED, "P"),
     (Flag.HUNG, "H"),
+    (Flag.UNREACHABLE, "U"),
 )
 """Letters of the flags column; the summary bar shows the legend."""
 
@@ -120,14 +121,27 @@ def _util(row: RankRow) -> str:
     return "-" if v is None else f"{v:.0f}%"
 
 
+def _node(row: RankRow) -> str:
+    node = row.record.get("node")
+    return str(node) if type(node) is int else "-"
+
+
+def _state(row: RankRow) -> str:
+    # "unreachable" does not fit the 6-cell column; the U flag and the nodes line say it whole.
+    return "unrch" if row.status is RankStatus.UNREACHABLE else row.status.value
+
+
 def _bytes_cell(field: str) -> Callable[[RankRow], str]:
     return lambda r: fmt_bytes(r.record.get(field), compact=True)
 
 
 COLUMNS: tuple[Column, ...] = (
     Column("rank", "rank", 5, lambda r: str(r.rank)),
+    # The node rank (fsdpx/telemetry/node.py): hidden on a narrow terminal when no rank
+    # names one (a single-node run), else kept ahead of the host name.
+    Column("node", "node", 4, _node, 1, source="node"),
     Column("host", "host", 9, lambda r: str(r.record.get("host") or "-")[:9], 2, True),
-    Column("status", "state", 6, lambda r: r.status.value, 0, True),
+    Column("status", "state", 6, _state, 0, True),
     Column("step", "step", 7, lambda r: str(r.record.get("step"))),
     Column("step_time", "step_s", 7, lambda r: fmt_float(r.record.get("step_time_s"), 3)),
     Column("loss", "loss", 8, lambda r: fmt_float(r.record.get("loss"), 4)),
@@ -206,7 +220,13 @@ def format_header(columns: Sequence[Column], sort_key: str, descending: bool) ->
     return " ".join(cells)
 
 
-_STATUS_ORDER = {RankStatus.DEAD: 0, RankStatus.STALE: 1, RankStatus.ALIVE: 2, RankStatus.EXITED: 3}
+_STATUS_ORDER = {
+    RankStatus.DEAD: 0,
+    RankStatus.UNREACHABLE: 1,
+    RankStatus.STALE: 2,
+    RankStatus.ALIVE: 3,
+    RankStatus.EXITED: 4,
+}
 
 
 def _sort_value(row: RankRow, key: str) -> float:
@@ -266,6 +286,10 @@ def _has_flag(flag: Flag) -> Predicate:
     return lambda row: bool(row.flags & flag)
 
 
+def _node_is(node: int) -> Predicate:
+    return lambda row: row.record.get("node") == node
+
+
 def _host_contains(text: str) -> Predicate:
     return lambda row: text in str(row.record.get("host") or "").lower()
 
@@ -280,6 +304,7 @@ _FLAG_WORDS = {
     "first": Flag.FAILED_FIRST,
     "peer": Flag.PEER_FAILED,
     "hung": Flag.HUNG,
+    "unreachable": Flag.UNREACHABLE,
 }
 
 
@@ -288,7 +313,8 @@ def make_filter(query: str) -> Predicate:
 
     Terms, separated by spaces, all must match: `12` (rank 12), `8-15` (ranks 8..15),
     `outliers` (any flag), `stale`/`dead`/`alive`/`exited` (status), `straggler`, `memory`,
-    `nan`, `error`, `first`, `peer` (a flag), anything else: a substring of the host name.
+    `nan`, `error`, `first`, `peer`, `unreachable` (a flag), `node:3` (the ranks of node 3),
+    anything else: a substring of the host name.
 
     Example::
 
@@ -297,7 +323,10 @@ def make_filter(query: str) -> Predicate:
     preds: list[Predicate] = []
     for term in query.lower().split():
         lo, dash, hi = term.partition("-")
-        if term.isdigit():
+        node = term.removeprefix("node:")
+        if node != term and node.isdigit():
+            preds.append(_node_is(int(node)))
+        elif term.isdigit():
             preds.append(_rank_between(int(term), int(term)))
         elif dash and lo.isdigit() and hi.isdigit():
             preds.append(_rank_between(int(lo), int(hi)))

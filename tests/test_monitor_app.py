@@ -226,7 +226,7 @@ async def test_large_terminal_shows_every_column() -> None:
         await pilot.pause()
         header = next(line for line in screen_lines(app) if line.lstrip().startswith("rank"))
         assert header.split() == [
-            "rank↑", "host", "state", "step", "step_s", "loss", "alloc", "resv", "peak",
+            "rank↑", "node", "host", "state", "step", "step_s", "loss", "alloc", "resv", "peak",
             "cap", "mem%", "util", "rss", "age", "flags",
         ]  # fmt: skip
         assert app.query_one(Curves).size.height == 8

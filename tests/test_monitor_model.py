@@ -177,9 +177,9 @@ def test_sort_filter_and_columns() -> None:
     assert order_rows(rows, sort_key="rank", descending=False, query="node001 memory") == [9]
     assert not make_filter("stale")(rows[0])
     assert [c.key for c in fit_columns(80)] == [
-        "rank", "host", "status", "step", "step_time", "loss", "reserved", "mem", "age", "flags",
+        "rank", "node", "host", "status", "step", "step_time", "loss", "reserved", "mem", "age", "flags",
     ]  # fmt: skip
-    assert len(fit_columns(200)) == 15
+    assert len(fit_columns(200)) == 16
     with pytest.raises(ValueError, match="unknown sort key 'speed'"):
         order_rows(rows, sort_key="speed", descending=False, query="")
 

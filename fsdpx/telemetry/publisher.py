@@ -57,6 +57,7 @@ from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.dump import make_dump
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
+from fsdpx.telemetry.node import node_from_env
 from fsdpx.telemetry.phases import StepPhases, phase_clock
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
 from fsdpx.telemetry.sigterm import SigtermHook
@@ -176,6 +177,7 @@ class Publisher:
         self.run = run
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.node = node_from_env(os.environ)  # [Note: node identity] in telemetry/node.py
         self.device = device
         self.address = parse_address(cfg.relay)
         self.stats = PublisherStats()
@@ -603,6 +605,7 @@ class Publisher:
             dropped=self.dropped,
             run_id=self.run.run_id,
             job=self.run.job,
+            node=self.node,
         )
         record.update(zip(PHASE_FIELDS, phases.seconds_per_phase(), strict=True))
         record.update(item[14])

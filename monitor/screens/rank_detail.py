@@ -31,6 +31,7 @@ _MEMORY = (
 )
 _FIELDS = (
     "host",
+    "node",
     "local_rank",
     "pid",
     "step",

@@ -18,6 +18,8 @@ _STYLES = {
     "checkpoint_loaded": "green",
     "exit": "dim",
     "start": "dim",
+    "node_unreachable": "bold red",
+    "node_reachable": "green",
 }
 
 
@@ -46,7 +48,9 @@ def describe(event: dict[str, Any], t0: float | None) -> Text:
     line = Text(no_wrap=True, overflow="ellipsis")
     line.append(f"{when:>9} ", "dim")
     step = event.get("step")
-    line.append(f"step {'-' if step is None else step} rank {event.get('rank')} ", "dim")
+    rank = event.get("rank")  # None: an event of a node (its relay lost or back)
+    where = "" if rank is None else f" rank {rank}"
+    line.append(f"step {'-' if step is None else step}{where} ", "dim")
     line.append(kind, _STYLES.get(kind, ""))
     if parts:
         line.append("  " + "  ".join(parts).splitlines()[0] if parts else "")

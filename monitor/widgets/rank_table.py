@@ -138,7 +138,7 @@ class RankTable(ScrollView, can_focus=True):
             name = "rank-table--dead"
         elif row.flags & Flag.NAN_LOSS:
             name = "rank-table--nan"
-        elif row.status is RankStatus.STALE:
+        elif row.status is RankStatus.STALE or row.status is RankStatus.UNREACHABLE:
             name = "rank-table--stale"
         elif row.flags & Flag.MEMORY:
             name = "rank-table--memory"

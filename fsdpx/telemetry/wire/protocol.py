@@ -75,6 +75,9 @@ RECORD_FIELDS: tuple[str, ...] = (
     "rank",
     "local_rank",
     "host",
+    # The rank's node rank (fsdpx/telemetry/node.py), int or None; optional: older
+    # publishers' records lack it and readers take a missing one as None (no version bump).
+    "node",
     "pid",
     "step",
     "time",
