@@ -37,12 +37,14 @@ _EXPORTS = {
     "DistInfo": "fsdpx.distributed",
     "Engine": "fsdpx.engine",
     "FsdpxError": "fsdpx.errors",
+    "LaunchError": "fsdpx.errors",
     "MemoryEstimate": "fsdpx.estimate",
     "NvmeOffloadError": "fsdpx.errors",
     "NvmeOffloadIOError": "fsdpx.errors",
     "ParallelDims": "fsdpx.parallel_dims",
     "ProtocolError": "fsdpx.errors",
     "RankFailureError": "fsdpx.errors",
+    "SafetensorsError": "fsdpx.errors",
     "StepResult": "fsdpx.engine",
     "clip_grad_norm_": "fsdpx.clip",
     "estimate_memory": "fsdpx.estimate",
@@ -72,10 +74,12 @@ if TYPE_CHECKING:
         DeepSpeedCheckpointError,
         DeepSpeedImportError,
         FsdpxError,
+        LaunchError,
         NvmeOffloadError,
         NvmeOffloadIOError,
         ProtocolError,
         RankFailureError,
+        SafetensorsError,
     )
     from fsdpx.estimate import MemoryEstimate, estimate_memory
     from fsdpx.materialize import per_param_init

@@ -2,8 +2,10 @@
 
     ValueError                      bad input: a config value or key (with a did-you-mean),
     │                               an argument; config errors are plain ValueErrors
-    └── NvmeOffloadError            ``nvme_path`` unusable: missing, not a directory, not
-                                    writable, too little space, swap file in use
+    ├── NvmeOffloadError            ``nvme_path`` unusable: missing, not a directory, not
+    │                               writable, too little space, swap file in use
+    ├── LaunchError                 `fsdpx launch` cannot start as asked (hostfile, filters)
+    └── SafetensorsError            a safetensors file that is not what it claims (fsdpx.hf)
     OSError
     ├── NvmeOffloadIOError          a read or write of the NVMe swap file failed;
     │                               .errno, .filename, .offset
@@ -59,7 +61,15 @@ _ELSEWHERE = {
 
 # Defined below, and the re-exported ones.
 __all__ = sorted(
-    ["AioError", "FsdpxError", "NvmeOffloadError", "NvmeOffloadIOError", "RankFailureError"]
+    [
+        "AioError",
+        "FsdpxError",
+        "LaunchError",
+        "NvmeOffloadError",
+        "NvmeOffloadIOError",
+        "RankFailureError",
+        "SafetensorsError",
+    ]
     + list(_ELSEWHERE)
 )
 
@@ -121,6 +131,15 @@ class RankFailureError(FsdpxError):
     def __init__(self, message: str, *, failed_rank: int | None = None) -> None:
         super().__init__(message)
         self.failed_rank = failed_rank
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start as asked (`fsdpx launch`): the message says what was wrong
+    and what to do."""
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file that cannot be read as it claims (names file and tensor)."""
 
 
 class NvmeOffloadError(ValueError):

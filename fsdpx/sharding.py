@@ -34,7 +34,7 @@ from fsdpx.parallelize import parallelize
 from fsdpx.param_groups import name_groups, resolve_groups
 from fsdpx.precision import build_loss_scaler
 from fsdpx.schedulers import build_scheduler
-from fsdpx.sequence.hf import is_hf_model
+from fsdpx.sequence.hf_model import is_hf_model
 from fsdpx.sequence.plan import build_sequence_plan, check_sequence_config
 from fsdpx.telemetry.start import start_telemetry
 from fsdpx.zero import dims_for_stage

@@ -279,6 +279,12 @@ def skip_a_collective(rank: int, world_size: int, relay: str, release: str) -> f
     t = torch.ones(4)
     if rank == 1:
         _elsewhere(Path(release))
+    else:
+        # The log numbers FSDP's collectives too (fsdpx owns its comm slot): the test reads
+        # which number the all-reduce gets.
+        seq = Path(release).with_name("all_reduce_seq")
+        seq.with_suffix(".tmp").write_text(str(fsdpx.comm.comm_log().mark()))
+        seq.with_suffix(".tmp").rename(seq)
     fsdpx.comm.all_reduce(t)
     step()
     pub = engine.telemetry

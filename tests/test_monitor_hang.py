@@ -115,10 +115,15 @@ def test_dump_shows_rank_0_inside_the_collective_rank_1_never_arrived(tmp_path: 
     assert results == [2.0, 2.0]  # the run went on and finished after the dump
     dumps = [m for m in iter_log(log) if m["type"] == "dump"]
     assert {m["dump"]["rank"] for m in dumps} == {0, 1}  # stored in the log for replay
-    asyncio.run(_replayed(log))
+    asyncio.run(_replayed(log, _seq(release)))
 
 
-async def _replayed(log: Path) -> None:
+def _seq(release: Path) -> int:
+    """The comm-log number rank 0's all-reduce got (written before it entered it)."""
+    return int(release.with_name("all_reduce_seq").read_text())
+
+
+async def _replayed(log: Path, seq: int) -> None:
     """The log's dumps, replayed: the same verdict, no relay to ask."""
     app = MonitorApp(replay=log, speed=64.0)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -132,7 +137,8 @@ async def _replayed(log: Path) -> None:
             if "never arrived: rank 1" in "\n".join(screen_lines(app)):
                 break
             await pilot.pause(0.02)
-        assert "stuck in all_reduce #0; never arrived: rank 1" in "\n".join(screen_lines(app))
+        text = "\n".join(screen_lines(app))
+        assert f"stuck in all_reduce #{seq}; never arrived: rank 1" in text
 
 
 async def _diagnose_live(address: str, release: Path, errors: list[BaseException]) -> None:
@@ -166,10 +172,11 @@ async def _diagnose_live(address: str, release: Path, errors: list[BaseException
                 break
             await pilot.press("h")
         report = app.model.dumps.report(expected=[0, 1])
-        assert report.stuck_in == (0, "all_reduce"), report.lines()
+        seq = _seq(release)
+        assert report.stuck_in == (seq, "all_reduce"), report.lines()
         assert report.never_arrived == [1] and report.no_answer == []
         inside, elsewhere = report.ranks
-        assert "all_reduce" in inside.stack and inside.inside == (0, "all_reduce")
+        assert "all_reduce" in inside.stack and inside.inside == (seq, "all_reduce")
         assert elsewhere.where.endswith("in _elsewhere") and elsewhere.inside is None
         await until(lambda: "never arrived: rank 1" in "\n".join(screen_lines(app)), "shown")
         release.touch()

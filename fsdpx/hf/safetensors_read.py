@@ -25,6 +25,10 @@ from pathlib import Path
 
 import torch
 
+from fsdpx.errors import SafetensorsError
+
+# SafetensorsError is defined in fsdpx.errors ([Note: one error tree]) and raised here.
+
 __all__ = ["SafetensorsError", "SafetensorsFile", "TensorInfo"]
 
 MAX_HEADER_BYTES = 100 * 2**20
@@ -44,10 +48,6 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class SafetensorsError(ValueError):
-    """A safetensors file that cannot be read as it claims (names file and tensor)."""
 
 
 @dataclass(frozen=True)

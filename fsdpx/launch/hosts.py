@@ -14,11 +14,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpx.errors import LaunchError
+
+__all__ = ["Host", "LaunchError", "parse_hostfile", "read_hostfile", "select_hosts"]
+
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)\s*$")
-
-
-class LaunchError(ValueError):
-    """A launch that cannot start as asked: the message says what was wrong and what to do."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpx.config import Config
 from fsdpx.parallel_dims import Axis
-from fsdpx.sequence.hf import is_hf_model, patch_hf_attention
+from fsdpx.sequence.hf_model import is_hf_model
 from fsdpx.sequence.tiled import apply_tiled_mlp
 from fsdpx.sequence.ulysses import UlyssesSDPA
 
@@ -33,6 +33,8 @@ def apply_sequence_parallel(
     if sp.size() == 1:
         return None
     if is_hf_model(part):
+        from fsdpx.hf.ulysses import patch_hf_attention
+
         patch_hf_attention(part, sp.get_group(), tp=mesh[Axis.TP.value].size())
         return None
     return partial(UlyssesSDPA, sp.get_group())

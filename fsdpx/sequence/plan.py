@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpx.config import Config
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.sequence.batch import shard_sequence
-from fsdpx.sequence.hf import check_hf_heads, is_hf_model
+from fsdpx.sequence.hf_model import is_hf_model
 from fsdpx.sequence.ulysses import UlyssesSDPA
 
 
@@ -38,7 +38,7 @@ class SequencePlan:
     pad: bool
     intercept_sdpa: bool
     """Native models: F.scaled_dot_product_attention runs through Ulysses (UlyssesSDPA);
-    Hugging Face models go through their attention registry instead (fsdpx/sequence/hf.py)."""
+    Hugging Face models go through their attention registry instead (fsdpx/hf/ulysses.py)."""
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
         """Entered around the engine's forward ([Note: Ulysses for native models])."""
@@ -131,6 +131,8 @@ def check_sequence_config(
             "implemented yet; use mesh.pp = 1"
         )
     if model is not None and is_hf_model(model):
+        from fsdpx.hf.ulysses import check_hf_heads
+
         check_hf_heads(model, sp=dims.sp, tp=dims.tp)
     if loss_fn is not None:
         params = inspect.signature(loss_fn).parameters

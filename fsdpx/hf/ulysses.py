@@ -1,4 +1,6 @@
-"""Ulysses for Hugging Face `transformers` models, through their attention registry.
+"""Ulysses for Hugging Face `transformers` models, through their attention registry
+(fsdpx/sequence applies it to a model that `fsdpx.sequence.hf_model.is_hf_model` recognises;
+it lives in fsdpx.hf, the only importer of transformers).
 
 [Note: Hugging Face attention under Ulysses] transformers looks each layer's attention
 function up by `config._attn_implementation` in `AttentionInterface` (sdpa, flash, flex, or a
@@ -24,17 +26,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fsdpx.sequence.ulysses import check_heads, gather_sequence, scatter_sequence
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    """True for a transformers PreTrainedModel (without importing transformers otherwise)."""
-    import sys
-
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
 
 
 class _GroupsView:
