@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
@@ -93,12 +94,18 @@ class RankDetailScreen(Screen[None]):
 
     def show(self, snapshot: Snapshot, model: MonitorModel) -> None:
         """Redraw from the app's latest snapshot and the model's per-rank history."""
+        # [Note: a detail screen without its widgets] The app's refresh timer calls this
+        # whenever the screen is on top, which includes two moments without its widgets:
+        # after the push and before compose, and while the app exits and removes them (seen
+        # under load as NoMatches '#detail-title', once in each). Then there is nothing to
+        # draw into; the push draws it once it is mounted.
         if not self.is_mounted:
-            # Pushed but not composed yet: the app's refresh timer can fire in between (seen
-            # under load as NoMatches '#detail-title'). The push draws it once it is mounted.
+            return
+        try:
+            title = self.query_one("#detail-title", Static)
+        except NoMatches:
             return
         row = snapshot.rows.get(self.rank)
-        title = self.query_one("#detail-title", Static)
         if row is None:
             title.update(Text(f"rank {self.rank}: no records yet", "bold"))
             return
