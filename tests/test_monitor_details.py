@@ -48,16 +48,18 @@ async def feed_cpu_run(app: MonitorApp, pilot: Any, n_ranks: int = 3, **extra: A
     await pilot.pause()
 
 
-async def text_once(app: MonitorApp, pilot: Any, needle: str, timeout_s: float = 10.0) -> str:
-    """The screen's text once it shows `needle` (a pushed screen draws a refresh later,
-    which on a loaded machine can take more than one pause)."""
+async def text_once(app: MonitorApp, pilot: Any, *needles: str, timeout_s: float = 10.0) -> str:
+    """The screen's text once it shows every one of `needles` (a pushed screen draws a
+    refresh later, which on a loaded machine can take more than one pause, and its widgets
+    can be drawn in different frames: wait for everything a test then checks)."""
+    text = ""
     for _ in range(int(timeout_s / 0.05)):
         app.refresh_view()
         await pilot.pause(0.05)
         text = "\n".join(screen_lines(app))
-        if needle in text:
+        if all(n in text for n in needles):
             return text
-    raise AssertionError(f"{needle!r} never appeared on screen:\n{text}")
+    raise AssertionError(f"{needles!r} never all appeared on screen:\n{text}")
 
 
 def header(app: MonitorApp) -> list[str]:
@@ -155,8 +157,7 @@ async def test_detail_screen_uses_adaptive_units(tmp_path: Path) -> None:
     async with app.run_test(size=(100, 30)) as pilot:
         await feed_cpu_run(app, pilot, comm_bytes=12 * MIB, tflops=0.0482)
         await pilot.press("enter")
-        text = await text_once(app, pilot, "comm_bytes")
-        assert "12.0 MiB" in text and "48.2 GFLOP/s" in text and "512 MiB" in text
+        text = await text_once(app, pilot, "comm_bytes", "12.0 MiB", "48.2 GFLOP/s", "512 MiB")
         assert "0.0 GiB" not in text
 
 
@@ -180,8 +181,9 @@ async def test_refresh_between_push_and_mount_of_the_detail_screen(tmp_path: Pat
         assert app.screen is screen and not screen.is_mounted
         app.refresh_view()  # what the timer does at that moment
         screen.call_after_refresh(lambda: screen.show(app.snapshot, app.model))
-        text = await text_once(app, pilot, "rank 1  alive")
-        assert "513 MiB" in text  # rank 1's host_rss
+        # Wait for the last thing checked: the title can be drawn a frame before the fields.
+        text = await text_once(app, pilot, "513 MiB")  # rank 1's host_rss
+        assert "rank 1  alive" in text
         # The other gap: the app exiting removes the screen's widgets while the timer runs.
         await screen.query_one("#detail-title").remove()
         app.refresh_view()
