@@ -45,10 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from fsdpx.comm import OneBitState, compressed_all_reduce, counted
+from fsdpx.comm import (
+    OneBitState,
+    compressed_all_reduce,
+    counted,
+    take_over_gradient_exchange,
+)
 from fsdpx.dtensor import to_local
 
 
@@ -131,17 +134,9 @@ class OneBitAdam(torch.optim.Optimizer):
             ValueError: a parameter is sharded or replicated by FSDP itself (its mesh has
                 more than one rank): FSDP would all-reduce the gradients too.
         """
-        for p in model.parameters():
-            if isinstance(p, DTensor) and p.device_mesh.size() > 1:
-                raise ValueError(
-                    f"OneBitAdam exchanges gradients itself, but this model's parameters live "
-                    f"on a {p.device_mesh.size()}-rank FSDP mesh, so FSDP all-reduces them "
-                    "too. Build it with fsdpx.shard and optimizer.type = 'onebit_adam' at "
-                    "zero.stage 0 in the config (not optimizer=callable)"
-                )
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(self._warmup_hook)
+        take_over_gradient_exchange(
+            model, self._warmup_hook, owner="OneBitAdam", optimizer_type="onebit_adam"
+        )
         self._attached = True
 
     def _warmup_hook(self, reduce_output: torch.Tensor) -> None:

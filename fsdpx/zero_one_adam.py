@@ -40,10 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from fsdpx.comm import OneBitState, compressed_all_reduce, counted
+from fsdpx.comm import (
+    OneBitState,
+    compressed_all_reduce,
+    counted,
+    take_over_gradient_exchange,
+)
 from fsdpx.dtensor import to_local
 
 
@@ -121,17 +124,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
         """Take over the gradient exchange of an FSDP2 model built by fsdpx.shard at ZeRO
         stage 0 (as fsdpx.onebit_adam.OneBitAdam.attach: FSDP itself issues no gradient
         collective; this hook all-reduces before variance steps only)."""
-        for p in model.parameters():
-            if isinstance(p, DTensor) and p.device_mesh.size() > 1:
-                raise ValueError(
-                    f"ZeroOneAdam exchanges gradients itself, but this model's parameters live "
-                    f"on a {p.device_mesh.size()}-rank FSDP mesh, so FSDP all-reduces them too. "
-                    "Build it with fsdpx.shard and optimizer.type = 'zero_one_adam' at "
-                    "zero.stage 0 in the config (not optimizer=callable)"
-                )
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(self._backward_hook)
+        take_over_gradient_exchange(
+            model, self._backward_hook, owner="ZeroOneAdam", optimizer_type="zero_one_adam"
+        )
         self._attached = True
 
     def _backward_hook(self, reduce_output: torch.Tensor) -> None:

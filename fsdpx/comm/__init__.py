@@ -17,7 +17,12 @@ from fsdpx.comm.counted import (
     all_to_all_single,
     comm_log,
 )
-from fsdpx.comm.onebit import OneBitState, compressed_all_reduce, padded_numel
+from fsdpx.comm.onebit import (
+    OneBitState,
+    compressed_all_reduce,
+    padded_numel,
+    take_over_gradient_exchange,
+)
 
 __all__ = [
     "CommLog",
@@ -29,4 +34,5 @@ __all__ = [
     "comm_log",
     "compressed_all_reduce",
     "padded_numel",
+    "take_over_gradient_exchange",
 ]

@@ -22,10 +22,13 @@ formulas): ``(W-1)/W * N/8`` (all-to-all) + ``(W-1) * 4`` (worker scales) +
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fsdpx.comm import counted
 
@@ -120,3 +123,31 @@ def compressed_all_reduce(
     counted.all_gather_single(server_scales, server_scale, group)
     result = unpack_signs(all_packed).view(w, -1) * server_scales.unsqueeze(1)
     tensor.copy_(result.view(-1)[:n].view_as(tensor))
+
+
+def take_over_gradient_exchange(
+    model: torch.nn.Module,
+    hook: Callable[[torch.Tensor], None],
+    *,
+    owner: str,
+    optimizer_type: str,
+) -> None:
+    """Install `hook` as the all-reduce hook of every FSDP module of `model` (ZeRO stage 0):
+    the 1-bit family's optimizers own the gradient exchange, so FSDP itself must issue
+    none ([Note: who owns the gradient exchange] in fsdpx/onebit_adam.py).
+
+    Raises:
+        ValueError: a parameter lives on an FSDP mesh of more than one rank (FSDP would
+            all-reduce its gradient too).
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.size() > 1:
+            raise ValueError(
+                f"{owner} exchanges gradients itself, but this model's parameters live "
+                f"on a {p.device_mesh.size()}-rank FSDP mesh, so FSDP all-reduces them too. "
+                f"Build it with fsdpx.shard and optimizer.type = '{optimizer_type}' at "
+                "zero.stage 0 in the config (not optimizer=callable)"
+            )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(hook)
