@@ -318,3 +318,27 @@ def test_onebit_adam_resumes_from_a_checkpoint(tmp_path: Any) -> None:
             torch.testing.assert_close(p, res["straight"][name], msg=f"{name} differs")
         for name, (dm, dv, step_a, step_b) in res["moments"].items():
             assert dm == dv == 0.0 and step_a == step_b == 4, name
+
+
+def _attach_to_sharded_body(rank: int, world_size: int) -> str:
+    """The 1-bit family refuses a model FSDP shards over more than one rank."""
+    from fsdpx.comm import take_over_gradient_exchange
+
+    engine = fsdpx.shard(make_model(), fsdpx.Config.from_dict({"zero": {"stage": 3}}))
+    try:
+        take_over_gradient_exchange(
+            engine.module, lambda t: None, owner="OneBitLamb", optimizer_type="onebit_lamb"
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_the_1bit_family_refuses_a_model_fsdp_already_shards() -> None:
+    for message in run_ranks(_attach_to_sharded_body, 2):
+        assert message == (
+            "OneBitLamb exchanges gradients itself, but this model's parameters live on a "
+            "2-rank FSDP mesh, so FSDP all-reduces them too. Build it with fsdpx.shard and "
+            "optimizer.type = 'onebit_lamb' at zero.stage 0 in the config (not "
+            "optimizer=callable)"
+        )
