@@ -26,7 +26,6 @@ SDPA's enable_gqa (or the caller's own grouping) broadcasts it.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -36,22 +35,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from fsdpx.sequence._comm import all_to_all
-
-
-def _sdpa_arguments(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> None:
-    """F.scaled_dot_product_attention's parameters, to bind a call's arguments by name."""
-
-
-_SDPA_SIGNATURE = inspect.signature(_sdpa_arguments)
+from fsdpx.sequence._sdpa import bind_sdpa
 
 
 def check_heads(q_heads: int, kv_heads: int, sp: int) -> None:
@@ -150,9 +134,7 @@ class UlyssesSDPA(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
-        bound.apply_defaults()
-        call = dict(bound.arguments)
+        call = bind_sdpa(args, kwargs)
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask under Ulysses "
