@@ -487,7 +487,8 @@ class ContextParallelConfig:
 
     mode: Literal["ulysses", "ring"] = "ulysses"
     """ulysses: all-to-all around the attention call (heads must divide by sp); ring:
-    torch's context_parallel ring attention (CUDA SDPA backends only)."""
+    ring attention, key/value blocks passed around the sp ring on a load-balanced layout
+    (no head constraint; no attention mask or dropout; fsdpx/sequence/ring.py)."""
     pad: bool = True
     """Sequences whose length sp does not divide are padded (with a warning) by
     fsdpx.sequence.shard_batch; False makes that an error."""

@@ -106,7 +106,7 @@ def shard(
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
     # Before the mesh (and its groups) exist: every rank raises the same error.
-    check_sequence_config(cfg, dims, device=info.device, loss_fn=loss_fn, model=model)
+    check_sequence_config(cfg, dims, loss_fn=loss_fn, model=model)
     hf_model = is_hf_model(model)
     mesh = dims.build_mesh(info.device.type)
     # Sub-mesh groups default to a 30-minute timeout; a dead peer must fail within ours.

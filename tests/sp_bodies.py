@@ -103,7 +103,10 @@ def _config(case: dict[str, Any]) -> fsdpx.Config:
             "mesh": case["mesh"],
             "optimizer": {"type": "sgd", "lr": LR},
             "activation_checkpointing": {"mode": case.get("ac", "none")},
-            "context_parallel": {"mlp_tile_tokens": case.get("mlp_tile", 0)},
+            "context_parallel": {
+                "mode": case.get("mode", "ulysses"),
+                "mlp_tile_tokens": case.get("mlp_tile", 0),
+            },
         }
     )
 

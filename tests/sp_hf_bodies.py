@@ -65,15 +65,21 @@ def reference(kind: str, steps: int) -> dict[str, Any]:
 
 
 def sweep_body(rank: int, world_size: int, kinds: list[str], steps: int) -> dict[str, Any]:
+    """kinds: "llama" / "qwen2" under Ulysses, "llama+ring" under ring attention."""
     del rank
     return {kind: _sp_run(world_size, kind, steps) for kind in kinds}
 
 
 def _sp_run(world_size: int, kind: str, steps: int) -> dict[str, Any]:
+    model_kind, _, mode = kind.partition("+")
     cfg = fsdpx.Config.from_dict(
-        {"mesh": {"sp": world_size}, "optimizer": {"type": "sgd", "lr": LR}}
+        {
+            "mesh": {"sp": world_size},
+            "optimizer": {"type": "sgd", "lr": LR},
+            "context_parallel": {"mode": mode or "ulysses"},
+        }
     )
-    engine = fsdpx.shard(make_model(kind), cfg)
+    engine = fsdpx.shard(make_model(model_kind), cfg)
     implementation = engine.module.config._attn_implementation
     # Your own loop: shard_batch, then the model's own .loss is this rank's share.
     with torch.no_grad():
@@ -82,6 +88,9 @@ def _sp_run(world_size: int, kind: str, steps: int) -> dict[str, Any]:
     dist.all_gather(shards, out.logits.contiguous())
     share = out.loss.detach().clone()
     dist.all_reduce(share)
+    if mode == "ring":  # rank r holds chunks r and 2sp - 1 - r of 2sp: put them back in order
+        halves = [shard.chunk(2, dim=1) for shard in shards]
+        shards = [h[0] for h in halves] + [h[1] for h in reversed(halves)]
     result: dict[str, Any] = {
         "implementation": implementation,
         "logits": torch.cat(shards, dim=1),

@@ -3,6 +3,8 @@ head checks of Ulysses, and the settings mesh.sp refuses before any collective."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -73,6 +75,63 @@ def test_bad_batches_are_refused() -> None:
         shard_sequence({"x": ids}, rank=0, size=2)
 
 
+def test_ring_layout_takes_head_and_tail_chunks() -> None:
+    # [Note: load-balanced ring]: 2 x sp chunks, rank r holds chunks r and 2sp - 1 - r.
+    ids = torch.arange(8).view(1, 8)
+    shards = [
+        shard_sequence({"input_ids": ids, "labels": ids}, rank=r, size=2, balanced=True)
+        for r in (0, 1)
+    ]
+    assert shards[0]["input_ids"].tolist() == [[0, 1, 6, 7]]
+    assert shards[1]["input_ids"].tolist() == [[2, 3, 4, 5]]
+    assert shards[0]["position_ids"].tolist() == [[0, 1, 6, 7]]
+    assert shards[0]["shift_labels"].tolist() == [[1, 2, 7, -100]]
+    assert shards[1]["shift_labels"].tolist() == [[3, 4, 5, 6]]
+    with pytest.warns(UserWarning, match=r"padded to 8"):
+        padded = shard_sequence((ids[:, :6], ids[:, :6]), rank=0, size=2, balanced=True)
+    assert padded["input"].tolist() == [[0, 1, 0, 0]]
+    assert padded["target"].tolist() == [[0, 1, -100, -100]]
+    assert padded["position_ids"].tolist() == [[0, 1, 6, 7]]
+    with pytest.raises(
+        ValueError,
+        match=r"^sequence length 6 is not divisible by 2 x mesh\.sp = 4 \(ring attention's "
+        r"load-balanced layout\); pad the batch to a multiple of 4 \(e\.g\. 8\)",
+    ):
+        shard_sequence({"input_ids": ids[:, :6]}, rank=0, size=2, pad=False, balanced=True)
+
+
+def test_ring_sdpa_refuses_what_it_cannot_compute() -> None:
+    import torch.nn.functional as F
+
+    from fsdpx.sequence.ring import RingSDPA, ring_attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    # The refusals come before any communication, so no process group is needed.
+    group: Any = None
+    with (
+        RingSDPA(group),
+        pytest.raises(ValueError, match=r"got an explicit attn_mask under ring attention"),
+    ):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with (
+        RingSDPA(group),
+        pytest.raises(
+            ValueError,
+            match=r"got dropout_p=0\.1 under ring attention .* set the model's attention",
+        ),
+    ):
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with (
+        RingSDPA(group),
+        pytest.raises(
+            ValueError, match=r"2 query heads and 1 key/value heads without enable_gqa=True"
+        ),
+    ):
+        F.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match=r"with k/v heads dividing q heads; got q\.shape="):
+        ring_attention(q, q[:, :, :2], q, group)
+
+
 def test_heads_sp_cannot_split() -> None:
     check_heads(8, 2, 4)  # kv heads repeated to 4
     check_heads(8, 8, 4)
@@ -89,29 +148,23 @@ def _dims(cfg: Config, world: int) -> ParallelDims:
 
 
 def test_settings_sp_refuses() -> None:
-    cpu = torch.device("cpu")
+    # Ring mode runs on CPU (tests/test_sequence_ring.py); its settings pass the checks.
     ring = Config.from_dict({"mesh": {"sp": 2}, "context_parallel": {"mode": "ring"}})
-    with pytest.raises(
-        ValueError,
-        match=r"context_parallel\.mode 'ring' runs torch's ring attention .* covers only the "
-        r"CUDA scaled_dot_product_attention backends; this job runs on cpu\. Use "
-        r"context_parallel\.mode 'ulysses'",
-    ):
-        check_sequence_config(ring, _dims(ring, 2), device=cpu, loss_fn=None)
+    check_sequence_config(ring, _dims(ring, 2), loss_fn=None)
     stage0 = Config.from_dict({"mesh": {"sp": 2}, "zero": {"stage": 0}})
     with pytest.raises(ValueError, match=r"so it needs zero\.stage 1, 2 or 3; got stage 0"):
-        check_sequence_config(stage0, _dims(stage0, 2), device=cpu, loss_fn=None)
+        check_sequence_config(stage0, _dims(stage0, 2), loss_fn=None)
     pp = Config.from_dict({"mesh": {"sp": 2, "pp": 2}})
     with pytest.raises(NotImplementedError, match=r"mesh\.sp = 2 with pipeline parallelism"):
-        check_sequence_config(pp, _dims(pp, 4), device=cpu, loss_fn=None)
+        check_sequence_config(pp, _dims(pp, 4), loss_fn=None)
 
     def plain(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return out.sum()
 
     sp = Config.from_dict({"mesh": {"sp": 2}})
     with pytest.raises(ValueError, match=r"plain takes no num_items_in_batch\. Pass fsdpx\.shard"):
-        check_sequence_config(sp, _dims(sp, 2), device=cpu, loss_fn=plain)
-    check_sequence_config(sp, _dims(sp, 2), device=cpu, loss_fn=loss_fn)
+        check_sequence_config(sp, _dims(sp, 2), loss_fn=plain)
+    check_sequence_config(sp, _dims(sp, 2), loss_fn=loss_fn)
 
 
 def test_context_parallel_config_is_strict() -> None:

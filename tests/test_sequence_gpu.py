@@ -1,9 +1,9 @@
 """Tiled MLP and tiled loss on a real accelerator (one CUDA device): the same values as
 untiled, and the peak memory of forward + backward (torch.cuda.max_memory_allocated) falls.
 
-Run with `pytest -m gpu tests/test_sequence_gpu.py` on a machine with a GPU. Ring context
-parallelism (context_parallel.mode "ring") has no test here: it is not implemented (the CPU
-refusal is tested in tests/test_sequence_batch.py), and Ulysses needs two or more GPUs.
+Run with `pytest -m gpu tests/test_sequence_gpu.py` on a machine with a GPU. Ulysses and
+ring attention (context_parallel.mode "ring") need two or more ranks: their parity tests
+run on CPU/gloo (tests/test_sequence_parallel.py, tests/test_sequence_ring.py).
 """
 
 from __future__ import annotations

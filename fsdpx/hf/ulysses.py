@@ -67,31 +67,42 @@ def _wrap(original: Callable[..., Any], group: dist.ProcessGroup) -> Callable[..
     return attention
 
 
-def patch_hf_attention(model: nn.Module, group: dist.ProcessGroup, *, tp: int = 1) -> str:
+def patch_hf_attention(
+    model: nn.Module, group: dist.ProcessGroup, *, tp: int = 1, ring: bool = False
+) -> str:
     """Route `model`'s attention through Ulysses on `group` ([Note: Hugging Face attention
-    under Ulysses]); returns the registered implementation name.
+    under Ulysses]), or with `ring` through ring attention ([Note: Hugging Face attention
+    under ring] in fsdpx/hf/ring.py); returns the registered implementation name.
 
     Raises:
-        ValueError: heads that sp (after tp) cannot split, or the "eager" implementation
-            (not in transformers' registry: choose "sdpa").
+        ValueError: Ulysses only: heads that sp (after tp) cannot split, or the "eager"
+            implementation (not in transformers' registry: choose "sdpa").
     """
     from transformers import AttentionInterface
 
-    check_hf_heads(model, sp=dist.get_world_size(group), tp=tp)
     config: Any = model.config
     impl: str = config._attn_implementation
-    if impl.startswith("fsdpx_ulysses:"):
+    if impl.startswith(("fsdpx_ulysses:", "fsdpx_ring:")):
         return impl
-    if impl not in AttentionInterface._global_mapping:
-        raise ValueError(
-            f"the model's attention implementation {impl!r} is not in transformers' "
-            "AttentionInterface, so fsdpx cannot wrap it for sequence parallelism; load the "
-            "model with attn_implementation='sdpa' (or a flash / flex implementation)"
-        )
-    name = f"fsdpx_ulysses:{impl}:{group.group_name}"
-    if name not in AttentionInterface._global_mapping:
-        original: Any = AttentionInterface._global_mapping[impl]
-        AttentionInterface.register(name, _wrap(original, group))
+    registry = AttentionInterface._global_mapping
+    if ring:
+        from fsdpx.hf.ring import ring_hf_attention
+
+        name = f"fsdpx_ring:{group.group_name}"
+        if name not in registry:
+            AttentionInterface.register(name, ring_hf_attention(group))
+    else:
+        check_hf_heads(model, sp=dist.get_world_size(group), tp=tp)
+        if impl not in registry:
+            raise ValueError(
+                f"the model's attention implementation {impl!r} is not in transformers' "
+                "AttentionInterface, so fsdpx cannot wrap it for sequence parallelism; load "
+                "the model with attn_implementation='sdpa' (or a flash / flex implementation)"
+            )
+        name = f"fsdpx_ulysses:{impl}:{group.group_name}"
+        if name not in registry:
+            original: Any = registry[impl]
+            AttentionInterface.register(name, _wrap(original, group))
     set_impl: Callable[[str], None] = model.set_attn_implementation  # type: ignore[assignment]
     set_impl(name)
     return name

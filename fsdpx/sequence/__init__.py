@@ -1,5 +1,6 @@
-"""`fsdpx.sequence`: long sequences. Ulysses sequence parallelism over mesh.sp, batch
-sharding with pre-shifted labels, globally normalised and tiled losses, tiled MLP.
+"""`fsdpx.sequence`: long sequences. Ulysses sequence parallelism and ring attention over
+mesh.sp, batch sharding with pre-shifted labels, globally normalised and tiled losses,
+tiled MLP.
 
 Example (your own loop, a Hugging Face causal LM, mesh.sp = 4)::
 
@@ -11,13 +12,17 @@ Example (your own loop, a Hugging Face causal LM, mesh.sp = 4)::
 
 from fsdpx.sequence.batch import IGNORE_INDEX, shard_batch, shard_sequence
 from fsdpx.sequence.loss import loss_fn, tiled_loss_fn
+from fsdpx.sequence.ring import RingSDPA, ring_attention, ring_chunks
 from fsdpx.sequence.tiled import tile_mlp_, tiled_apply
 from fsdpx.sequence.ulysses import UlyssesSDPA, ulysses_attention
 
 __all__ = [
     "IGNORE_INDEX",
+    "RingSDPA",
     "UlyssesSDPA",
     "loss_fn",
+    "ring_attention",
+    "ring_chunks",
     "shard_batch",
     "shard_sequence",
     "tile_mlp_",

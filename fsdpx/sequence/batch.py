@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fsdpx.sequence.ring import ring_chunks
+
 IGNORE_INDEX = -100
 """The label that marks a token without a target (padding, prompts): PyTorch's default."""
 
@@ -29,6 +31,7 @@ def shard_sequence(
     size: int,
     pad: bool = True,
     pad_token_id: int = 0,
+    balanced: bool = False,
 ) -> dict[str, Any]:
     """This sp rank's share of a batch; the engine-free form of `shard_batch`.
 
@@ -41,6 +44,10 @@ def shard_sequence(
         rank, size: this rank's index in the sp group and the group's size.
         pad: pad a sequence whose length `size` does not divide (inputs with
             `pad_token_id`, labels with -100), with a warning; False raises instead.
+        balanced: ring attention's load-balanced layout: the sequence is cut into
+            2 x size chunks and this rank takes chunks rank and 2 x size - 1 - rank
+            ([Note: load-balanced ring] in fsdpx/sequence/ring.py); lengths are then
+            padded to a multiple of 2 x size. False: the rank-th contiguous 1/size.
     Returns:
         A dict. From a dict batch: the same keys, sharded along dim 1, plus `position_ids`
         (global positions), and with labels: `shift_labels` (= `labels`, pre-shifted) and
@@ -57,7 +64,9 @@ def shard_sequence(
     """
     if isinstance(batch, tuple):
         inputs, targets = batch
-        out = _shard({"input": inputs, "target": targets}, "input", rank, size, pad, pad_token_id)
+        out = _shard(
+            {"input": inputs, "target": targets}, "input", rank, size, pad, pad_token_id, balanced
+        )
         out["num_items_in_batch"] = _count(targets)
         return out
     data = dict(batch)
@@ -78,7 +87,7 @@ def shard_sequence(
         labels = data.pop("labels")
         ignore = torch.full_like(labels[:, :1], IGNORE_INDEX)
         data["shift_labels"] = torch.cat([labels[:, 1:], ignore], dim=1)
-    out = _shard(data, key, rank, size, pad, pad_token_id)
+    out = _shard(data, key, rank, size, pad, pad_token_id, balanced)
     if "shift_labels" in out:
         # Hugging Face computes a loss only when `labels` is given; with shift_labels
         # present it reads those ([Note: pre-shifted labels]).
@@ -89,24 +98,37 @@ def shard_sequence(
 
 
 def _shard(
-    data: dict[str, Any], key: str, rank: int, size: int, pad: bool, pad_token_id: int
+    data: dict[str, Any],
+    key: str,
+    rank: int,
+    size: int,
+    pad: bool,
+    pad_token_id: int,
+    balanced: bool,
 ) -> dict[str, Any]:
     seq = data[key].shape[1]
     if "position_ids" not in data:
         batch = data[key].shape[0]
         data["position_ids"] = torch.arange(seq, device=data[key].device).expand(batch, seq)
-    padded = -(-seq // size) * size
+    n_chunks = 2 * size if balanced else size
+    what = (
+        f"2 x mesh.sp = {n_chunks} (ring attention's load-balanced layout)"
+        if balanced
+        else f"mesh.sp = {size}"
+    )
+    padded = -(-seq // n_chunks) * n_chunks
     if padded != seq:
         if not pad:
             raise ValueError(
-                f"sequence length {seq} is not divisible by mesh.sp = {size}; pad the batch to "
-                f"a multiple of {size} (e.g. {padded}), or set context_parallel.pad true"
+                f"sequence length {seq} is not divisible by {what}; pad the batch to a "
+                f"multiple of {n_chunks} (e.g. {padded}), or set context_parallel.pad true"
             )
         warnings.warn(
-            f"sequence length {seq} is not divisible by mesh.sp = {size}: padded to {padded} "
+            f"sequence length {seq} is not divisible by {what}: padded to {padded} "
             "(inputs with the pad token, labels with -100)",
             stacklevel=3,
         )
+    mine = ring_chunks(rank, size, balanced=balanced)
     out: dict[str, Any] = {}
     for name, value in data.items():
         if not isinstance(value, Tensor) or value.dim() < 2 or value.shape[1] != seq:
@@ -114,7 +136,8 @@ def _shard(
             continue
         if padded != seq:
             value = _pad(value, name, padded - seq, pad_token_id)
-        out[name] = value.chunk(size, dim=1)[rank].contiguous()
+        chunks = value.chunk(n_chunks, dim=1)
+        out[name] = torch.cat([chunks[c] for c in mine], dim=1).contiguous()
     return out
 
 
@@ -149,9 +172,11 @@ def shard_batch(batch: Mapping[str, Any] | tuple[Tensor, Tensor], engine: Any) -
     from fsdpx.parallel_dims import Axis
 
     sp = engine.mesh[Axis.SP.value]
+    cp = engine.config.context_parallel
     return shard_sequence(
         batch,
         rank=sp.get_local_rank(),
         size=sp.size(),
-        pad=engine.config.context_parallel.pad,
+        pad=cp.pad,
+        balanced=cp.mode == "ring" and sp.size() > 1,
     )

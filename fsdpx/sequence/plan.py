@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,6 +26,7 @@ from fsdpx.config import Config
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.sequence.batch import shard_sequence
 from fsdpx.sequence.hf_model import is_hf_model
+from fsdpx.sequence.ring import RingSDPA
 from fsdpx.sequence.ulysses import UlyssesSDPA
 
 
@@ -36,16 +36,24 @@ class SequencePlan:
     size: int
     rank: int
     pad: bool
+    ring: bool
+    """context_parallel.mode "ring": ring attention on the load-balanced layout
+    (fsdpx/sequence/ring.py); False: Ulysses on contiguous shards."""
     intercept_sdpa: bool
-    """Native models: F.scaled_dot_product_attention runs through Ulysses (UlyssesSDPA);
-    Hugging Face models go through their attention registry instead (fsdpx/hf/ulysses.py)."""
+    """Native models: F.scaled_dot_product_attention runs through Ulysses (UlyssesSDPA) or
+    the ring (RingSDPA); Hugging Face models go through their attention registry instead
+    (fsdpx/hf/ulysses.py)."""
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
         """Entered around the engine's forward ([Note: Ulysses for native models])."""
-        return UlyssesSDPA(self.group) if self.intercept_sdpa else contextlib.nullcontext()
+        if not self.intercept_sdpa:
+            return contextlib.nullcontext()
+        return RingSDPA(self.group) if self.ring else UlyssesSDPA(self.group)
 
     def shard(self, batch: Any) -> dict[str, Any]:
-        return shard_sequence(batch, rank=self.rank, size=self.size, pad=self.pad)
+        return shard_sequence(
+            batch, rank=self.rank, size=self.size, pad=self.pad, balanced=self.ring
+        )
 
     def loss(self, module: nn.Module, loss_fn: Callable[..., Tensor] | None, batch: Any) -> Tensor:
         """This rank's share of the loss of one micro-batch taken whole from the loader."""
@@ -90,6 +98,7 @@ def build_sequence_plan(
         size=dims.sp,
         rank=sp.get_local_rank(),
         pad=cfg.context_parallel.pad,
+        ring=cfg.context_parallel.mode == "ring",
         intercept_sdpa=not hf_model,
     )
 
@@ -98,7 +107,6 @@ def check_sequence_config(
     cfg: Config,
     dims: ParallelDims,
     *,
-    device: torch.device,
     loss_fn: Callable[..., Tensor] | None,
     model: nn.Module | None = None,
 ) -> None:
@@ -106,19 +114,6 @@ def check_sequence_config(
     fsdpx.shard calls it before it builds the mesh."""
     if dims.sp == 1:
         return
-    if cfg.context_parallel.mode == "ring":
-        if device.type != "cuda":
-            raise ValueError(
-                f"context_parallel.mode 'ring' runs torch's ring attention "
-                f"(torch.distributed.tensor.experimental.context_parallel), which in torch "
-                f"{torch.__version__} covers only the CUDA scaled_dot_product_attention "
-                f"backends; this job runs on {device.type}. Use context_parallel.mode "
-                "'ulysses' (any device), or run on CUDA"
-            )
-        raise NotImplementedError(
-            "context_parallel.mode 'ring' is not implemented yet in fsdpx; use "
-            "context_parallel.mode 'ulysses'"
-        )
     if cfg.zero.stage == 0:
         raise ValueError(
             "mesh.sp > 1 shards the weights over dp_shard x sp (the sp ranks are "
@@ -130,7 +125,8 @@ def check_sequence_config(
             f"mesh.sp = {dims.sp} with pipeline parallelism (mesh.pp = {dims.pp}) is not "
             "implemented yet; use mesh.pp = 1"
         )
-    if model is not None and is_hf_model(model):
+    if model is not None and is_hf_model(model) and cfg.context_parallel.mode == "ulysses":
+        # Ring attention has no head constraint: each rank keeps every (tp-local) head.
         from fsdpx.hf.ulysses import check_hf_heads
 
         check_hf_heads(model, sp=dims.sp, tp=dims.tp)
