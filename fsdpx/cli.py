@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -195,9 +196,28 @@ def _add_estimate(commands: argparse._SubParsersAction) -> None:
     cfg = est.add_mutually_exclusive_group()
     cfg.add_argument("--config", type=Path, help="an fsdpx config file (JSON or TOML)")
     cfg.add_argument("--deepspeed", type=Path, help="a DeepSpeed config file")
-    est.add_argument("--world-size", type=int, default=1)
+    est.add_argument("--world-size", type=int, default=None, help="default: --sp, else 1")
     est.add_argument("--largest-layer-params", help="stage 3 with --params: largest block")
     est.add_argument("--gpus-per-node", type=int, default=None)
+    long = est.add_argument_group(
+        "long context", "activations per rank and the longest sequence that fits (needs --shape)"
+    )
+    long.add_argument("--seq-len", type=int, help="tokens per sequence")
+    long.add_argument("--sp", type=int, help="mesh.sp (default: the config's)")
+    long.add_argument(
+        "--shape",
+        help="the decoder's shape: layers=,hidden=,heads=,kv_heads=,ffn=,vocab=",
+    )
+    long.add_argument("--device-memory", type=float, default=80.0, help="GiB per rank")
+    long.add_argument("--mlp-tile", type=int, help="context_parallel.mlp_tile_tokens")
+    long.add_argument("--loss-tile", type=int, default=0, help="tokens per loss tile")
+    long.add_argument(
+        "--checkpointing",
+        choices=("none", "full", "every_n", "selective"),
+        help="activation_checkpointing.mode (default: the config's)",
+    )
+    long.add_argument("--micro-batch", type=int, default=1, help="sequences per rank")
+    long.add_argument("--cp-mode", choices=("ulysses", "ring"), help="context_parallel.mode")
     est.set_defaults(func=_estimate)
 
 
@@ -216,6 +236,8 @@ def _estimate(args: argparse.Namespace) -> int:
             cfg = Config.from_deepspeed(args.deepspeed, world_size=args.world_size)
         else:
             cfg = Config()
+        cfg = _long_context_config(cfg, args)
+        world_size = args.world_size or cfg.mesh.sp
         sample = None
         if args.model is not None:
             module_name, _, fn_name = args.model.partition(":")
@@ -233,18 +255,73 @@ def _estimate(args: argparse.Namespace) -> int:
         text = estimate_report(
             target,
             cfg,
-            args.world_size,
+            world_size,
             sample_inputs=sample,
             largest_layer_params=parse_count(layer) if layer else None,
             gpus_per_node=args.gpus_per_node,
         )
-        volume = format_comm_table(comm_table(target, cfg, args.world_size))
+        volume = format_comm_table(comm_table(target, cfg, world_size))
         text = f"{text}\n\n{volume}"
+        if args.seq_len is not None:
+            text = f"{text}\n\n{_long_context(target, cfg, world_size, args)}"
     except (ValueError, OSError, ImportError, AttributeError) as exc:
         print(f"fsdpx estimate: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(text)
     return EXIT_OK
+
+
+def _long_context_config(cfg: Any, args: argparse.Namespace) -> Any:
+    """cfg with the long-context flags (--sp, --mlp-tile, --checkpointing, --cp-mode)."""
+    from dataclasses import replace
+
+    long_flags = (args.sp, args.shape, args.mlp_tile, args.checkpointing, args.cp_mode)
+    if args.seq_len is None:
+        if any(flag is not None for flag in long_flags):
+            raise ValueError(
+                "--sp, --shape, --mlp-tile, --checkpointing and --cp-mode describe a long-context "
+                "estimate; add --seq-len N (and --shape)"
+            )
+        return cfg
+    if args.shape is None:
+        raise ValueError(
+            "--seq-len needs the decoder's shape for its activations: add --shape "
+            "layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256 (your model's)"
+        )
+    cp = cfg.context_parallel
+    cp = replace(
+        cp,
+        mode=args.cp_mode or cp.mode,
+        mlp_tile_tokens=cp.mlp_tile_tokens if args.mlp_tile is None else args.mlp_tile,
+    )
+    ac = cfg.activation_checkpointing
+    if args.checkpointing is not None:
+        ac = replace(ac, mode=args.checkpointing)
+    mesh = cfg.mesh if args.sp is None else replace(cfg.mesh, sp=args.sp)
+    return replace(cfg, mesh=mesh, context_parallel=cp, activation_checkpointing=ac)
+
+
+def _long_context(target: Any, cfg: Any, world_size: int, args: argparse.Namespace) -> str:
+    import torch
+
+    from fsdpx.estimate import estimate_memory
+    from fsdpx.estimate_activations import TransformerShape, long_context_report
+    from fsdpx.precision import torch_dtype
+
+    own = estimate_memory(target, cfg, world_size)
+    return long_context_report(
+        TransformerShape.parse(args.shape),
+        seq_len=args.seq_len,
+        sp=cfg.mesh.sp,
+        mode=cfg.context_parallel.mode,
+        mlp_tile=cfg.context_parallel.mlp_tile_tokens,
+        loss_tile=args.loss_tile,
+        checkpointing=cfg.activation_checkpointing.mode,
+        micro_batch=args.micro_batch,
+        dtype_bytes=torch.empty((), dtype=torch_dtype(cfg.precision.param_dtype)).element_size(),
+        model_states=own.device_model_states + (own.gathered_params or 0),
+        device_memory=int(args.device_memory * 2**30),
+    )
 
 
 if __name__ == "__main__":
