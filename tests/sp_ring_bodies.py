@@ -70,3 +70,31 @@ def ring_body(
             name: sp_bodies.fsdpx_run({**case, "mode": "ring"}) for name, case in training.items()
         },
     }
+
+
+def one_rank_kernel(rank: int, world_size: int, device: str) -> dict[str, Any]:
+    """ring_attention on a one-rank group (no communication: the kernel alone, load-balanced
+    so that skipped, diagonal and whole block pairs all occur) against SDPA on `device`, in
+    fp32 and under bf16 autocast. Returns the largest differences (output, gradients)."""
+    del rank, world_size
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g).to(device) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # GQA: 2 kv heads
+    d_out = torch.randn(2, 4, 64, 16, generator=g).to(device)
+    out: dict[str, Any] = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        results = []
+        for use_ring in (True, False):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+                if use_ring:
+                    y = ring_attention(*inputs, dist.group.WORLD, is_causal=True)
+                else:
+                    y = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
+            y.float().backward(d_out)
+            results.append([y.detach().float(), *(t.grad for t in inputs)])
+        out[name] = {
+            "diffs": [float((a - b).abs().max()) for a, b in zip(*results, strict=True)],
+            "scales": [float(b.abs().max()) for b in results[1]],
+        }
+    return out

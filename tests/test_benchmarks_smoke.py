@@ -152,3 +152,13 @@ def test_parallel3d_script_runs() -> None:
         losses.append(float(row.split()[-1]))
     # Same GPT, seed and batches in every layout: the same loss (printed to 4 places).
     assert max(losses) - min(losses) <= 2e-3, losses
+
+
+@pytest.mark.slow
+def test_long_context_script_runs() -> None:
+    # 4 ranks (sp 1, 2, 4): slow. Its parts run in the default tier: Ulysses and ring
+    # parity (test_sequence_parallel.py, test_sequence_ring.py), the activation formula
+    # (test_estimate_long_context.py).
+    args = ["--seq", "128", "--budget-mib", "1", "--sweep", "128", "--steps", "1", "--dim", "32"]
+    out = _run(["long_context.py", *args, "--mlp-tile", "32", "--mode", "ring"], 4)
+    _line(rf"  4    32 +\d+ +{NUM} +{NUM} +\d+", out)

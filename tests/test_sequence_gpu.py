@@ -92,3 +92,18 @@ def test_tiled_mlp_on_cuda_equals_untiled_with_less_activation_memory() -> None:
         f"tiled MLP forward peak: untiled {peak_a / 2**20:.0f} MiB, tiled {peak_b / 2**20:.0f} MiB"
     )
     assert peak_b * 2 < peak_a
+
+
+def test_ring_attention_kernel_on_cuda_matches_sdpa() -> None:
+    """The ring's blockwise kernel on CUDA (one rank: no communication) against CUDA SDPA,
+    in fp32 (to fp32 rounding) and under bf16 autocast (the ring computes its blocks in fp32,
+    SDPA in bf16: both round to bf16, so within bf16's 2^-8 relative step)."""
+    from tests import sp_ring_bodies
+    from tests.dist import run_ranks
+
+    (result,) = run_ranks(sp_ring_bodies.one_rank_kernel, 1, args=("cuda",))
+    for name, tolerance in (("fp32", 1e-4), ("bf16", 2e-2)):
+        for what, diff, scale in zip(
+            ("out", "dq", "dk", "dv"), result[name]["diffs"], result[name]["scales"], strict=True
+        ):
+            assert diff <= tolerance * max(scale, 1.0), f"{name} {what}: {diff} vs {scale}"

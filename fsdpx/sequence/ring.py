@@ -165,11 +165,12 @@ class _RingAttention(torch.autograd.Function):
                 d_kv = step_dkv if pending is None else pending.wait() + step_dkv
                 # The block moves on to the next rank, so its gradient goes with it; after
                 # the last step this sends each rank's dk/dv home ([Note: ring attention]).
-                pending = RingShift(d_kv, ring.group, tag=_GRAD_TAG)
+                if ring.size > 1:
+                    pending = RingShift(d_kv, ring.group, tag=_GRAD_TAG)
                 if shift is not None:
                     kv = shift.wait()
-            assert pending is not None
-            d_kv = pending.wait()
+            if pending is not None:
+                d_kv = pending.wait()
             d_q = torch.cat(d_qs, dim=2)
         return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None
 
