@@ -185,3 +185,19 @@ def test_sequence_is_reachable_from_a_bare_import() -> None:
     code = "import fsdpx; print(fsdpx.sequence.loss_fn.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "loss_fn"
+
+
+def test_hf_ring_attention_refuses_what_only_the_models_kernel_can_do() -> None:
+    from fsdpx.hf.ring import ring_hf_attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    attention = ring_hf_attention(None)  # type: ignore[arg-type]  # refused before any comm
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match=r"got an attention mask under ring attention"):
+        attention(module, q, q, q, torch.ones(1, 1, 4, 4))
+    with pytest.raises(
+        ValueError,
+        match=r"this model's attention asks for \{'sliding_window': 16, 'dropout': 0\.1\}\. "
+        r"Use context_parallel\.mode 'ulysses'",
+    ):
+        attention(module, q, q, q, None, dropout=0.1, sliding_window=16)
