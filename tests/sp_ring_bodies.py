@@ -86,7 +86,7 @@ def one_rank_kernel(rank: int, world_size: int, device: str) -> dict[str, Any]:
         results = []
         for use_ring in (True, False):
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-            with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype is not None):
                 if use_ring:
                     y = ring_attention(*inputs, dist.group.WORLD, is_causal=True)
                 else:
