@@ -215,7 +215,7 @@ def test_monitor_survives_hostile_batches(tmp_path: Path) -> None:
     which counts what it cannot use)."""
     path = str(tmp_path / "fake.sock")
     good = _record(3, 7)
-    frames = [
+    frames: list[dict[str, Any]] = [
         {"type": "batch", "records": "not a list", "events": {"a": 1}},
         {"type": "batch", "records": [1, None, "x", [good]], "extra": b"\x00"},
         {"type": "batch"},
