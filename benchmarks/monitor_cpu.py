@@ -2,22 +2,28 @@
 
 The monitor runs as a child process in a real pseudo-terminal (Textual's normal driver,
 so screen output is generated and written as in a user's terminal). This process plays
-a relay: it speaks the relay's side of the handshake on a Unix socket and forwards one
-frame per record, as a relay forwards ranks' frames, at `--rate` records/s per rank. The
-monitor's CPU use is its process CPU time (user + system, all threads) over a wall-time
-window after a warm-up, read from /proc.
+a relay: it speaks the relay's side of the handshake on a Unix socket and forwards each
+rank's frame as it came (`--frames as-sent`: every rank sends one every `--batch` s, as a
+publisher does), or, for a monitor whose hello asks for batches (`batch_s`, as the fsdpx
+monitor does), one `batch` frame per `batch_s` made by the relay's own code
+(fsdpx/telemetry/wire/coalesce.py: `--frames coalesced`), at `--rate` records/s per rank.
+The monitor's CPU use is its process CPU time (user + system, all threads) over a
+wall-time window after a warm-up, read from /proc.
 
 Two table implementations, same app, same data, same refresh rate:
   line       monitor/widgets/rank_table.py (Line API, renders visible rows only)
   datatable  textual.widgets.DataTable, every rank's cells updated each refresh
 
-Run (about 2 minutes):
+Run (about 4 minutes):
 
     python benchmarks/monitor_cpu.py                         # 1,024 and 4,096 ranks
     python benchmarks/monitor_cpu.py --ranks 1024 --seconds 10 --tables line
+    python benchmarks/monitor_cpu.py --tables line --frames as-sent coalesced --repeat 2
 
-Output: one line per (table, ranks) with CPU % of one core and records/s received, then
-the DataTable / line ratio per rank count. Goal: line < 10% of a core at 1,024 ranks.
+Output: one line per (table, frames, ranks) with CPU % of one core and records/s
+received, then the DataTable / line ratio per rank count, and the as-sent / coalesced
+CPU side by side. Goal: line < 10% of a core at 1,024 ranks, < 25% at 4,096. The machine's
+load average is printed with each line (a shared machine inflates CPU time).
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fsdpx.telemetry.wire.coalesce import encode_batches  # noqa: E402
 from fsdpx.telemetry.wire.protocol import (  # noqa: E402
+    HEADER,
     FrameDecoder,
     encode_frame,
     make_challenge,
@@ -59,8 +67,12 @@ TICK_S = 0.05
 class FakeRelay:
     """Accepts one monitor, does the handshake, then streams records until stopped."""
 
-    def __init__(self, path: str, n_ranks: int, rate_hz: float, batch_s: float) -> None:
+    def __init__(
+        self, path: str, n_ranks: int, rate_hz: float, batch_s: float, coalesce: bool
+    ) -> None:
         self.path = path
+        self.coalesce = coalesce
+        self.monitor_batch_s: float | None = None
         self.batch_s = batch_s
         self.frames = 0
         self.run = SyntheticRun(
@@ -80,8 +92,11 @@ class FakeRelay:
         conn, _ = self.server.accept()
         conn.sendall(encode_frame(make_challenge(auth_required=False)))
         decoder = FrameDecoder()
-        while not decoder.feed(conn.recv(65536)):
-            pass
+        hello: list[dict[str, Any]] = []
+        while not hello:
+            hello = decoder.feed(conn.recv(65536))
+        if self.coalesce:  # as the relay does for a monitor that asks
+            self.monitor_batch_s = hello[0].get("batch_s")
         conn.sendall(encode_frame({"type": "welcome", "version": 1, "host": "bench", "pid": 0}))
         conn.sendall(encode_frame({"type": "history", "records": [], "events": [], "more": False}))
         self.connected.set()
@@ -98,6 +113,9 @@ class FakeRelay:
         templates = [self.run.record(rank, 1) for rank in range(n)]
         t0 = time.monotonic()
         tick = 0
+        pending: list[dict[str, Any]] = []
+        interval = self.monitor_batch_s
+        flush_at = t0 + interval if interval else 0.0
         while not self.stop.is_set():
             g = tick % groups
             frames = []
@@ -113,9 +131,16 @@ class FakeRelay:
                     rec["time"] = now
                     rec["loss"] = 2.0 + 2.0 / (1.0 + 0.01 * step[rank])
                     records.append(rec)
-                if records:
+                if records and interval:
+                    pending.extend(records)  # counted as sent when its batch goes
+                elif records:
                     frames.append(encode_frame({"type": "records", "records": records}))
                     self.sent += len(records)
+            if interval and time.monotonic() >= flush_at:
+                frames = [HEADER.pack(len(b)) + b for b in encode_batches(pending, [])]
+                self.sent += len(pending)
+                pending = []
+                flush_at += interval
             try:
                 conn.sendall(b"".join(frames))
             except OSError:
@@ -141,11 +166,12 @@ def measure(
     warmup_s: float,
     seconds: float,
     size: tuple[int, int],
+    frames: str = "as-sent",
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "relay.sock")
         stats = os.path.join(tmp, "stats.json")
-        relay = FakeRelay(sock, n_ranks, rate_hz, batch_s)
+        relay = FakeRelay(sock, n_ranks, rate_hz, batch_s, coalesce=frames == "coalesced")
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
         env = {
@@ -206,8 +232,12 @@ def measure(
             raise RuntimeError(f"monitor exited with {child.returncode}: {text[-1500:]}")
         received = json.loads(Path(stats).read_text()) if os.path.exists(stats) else {}
         wall = wall1 - wall0
+        if frames == "coalesced" and not relay.monitor_batch_s:
+            raise RuntimeError("the monitor did not ask for batches (hello batch_s)")
         return {
             "table": table,
+            "frames": frames,
+            "load": os.getloadavg()[0],
             "ranks": n_ranks,
             "cpu_pct": 100.0 * (cpu1 - cpu0) / wall,
             "sent_per_s": (sent1 - sent0) / wall,
@@ -311,6 +341,93 @@ def child_main(table: str, address: str, stats_path: str) -> None:
     Path(stats_path).write_text(json.dumps(stats))
 
 
+def receive_path(n_ranks: int, rate_hz: float, batch_s: float, seconds: float) -> None:
+    """--receive-only: the monitor's receive path alone, in this process, without a
+    terminal: the bytes of `seconds` of traffic (as sent: a frame per rank per `batch_s`;
+    coalesced: one batch per monitor refresh, 0.5 s) fed through the real RelayClient
+    (frame decoding, validation walk, batching) into the app's RunBook (the records'
+    ingest: rank state, step aggregates, straggler scores). CPU time (process_time) per
+    second of traffic, so a busy shared machine skews it far less than the live runs.
+    Rendering is not included: it does not depend on how records arrive."""
+    import asyncio
+
+    from monitor.model import MonitorSettings
+    from monitor.receiver import Batch, RelayClient
+    from monitor.runs import RunBook
+
+    run = SyntheticRun(n_ranks=n_ranks, seed=0, straggler=1, memory_hog=2, phases=True)
+    templates = [run.record(rank, 1) for rank in range(n_ranks)]
+    intervals = int(seconds / batch_s)
+    refresh_s = 0.5
+    # Records per rank frame: rate x batch_s on average (2 and 3 in turn for 5/s, 0.5 s).
+    per_frame = [
+        int((i + 1) * rate_hz * batch_s) - int(i * rate_hz * batch_s) for i in range(intervals)
+    ]
+    first_step = [sum(per_frame[:i]) + 1 for i in range(intervals)]
+
+    def records_of(interval: int, rank: int) -> list[dict[str, Any]]:
+        out = []
+        for k in range(per_frame[interval]):
+            rec = dict(templates[rank])
+            rec["step"] = first_step[interval] + k
+            rec["time"] = 1000.0 + interval * batch_s
+            rec["loss"] = 2.0 + 2.0 / (1.0 + 0.01 * rec["step"])
+            out.append(rec)
+        return out
+
+    streams: dict[str, bytes] = {}
+    frames = [
+        encode_frame({"type": "records", "records": records_of(i, r)})
+        for i in range(intervals)
+        for r in range(n_ranks)
+    ]
+    streams["as-sent"] = b"".join(frames)
+    per_batch = max(1, round(refresh_s / batch_s))
+    bodies = []
+    for start in range(0, intervals, per_batch):
+        pending = [
+            rec
+            for i in range(start, min(intervals, start + per_batch))
+            for r in range(n_ranks)
+            for rec in records_of(i, r)
+        ]
+        bodies += encode_batches(pending, [])
+    streams["coalesced"] = b"".join(HEADER.pack(len(b)) + b for b in bodies)
+    counts = {"as-sent": len(frames), "coalesced": len(bodies)}
+    for name, data in streams.items():
+        book = RunBook(MonitorSettings())
+        got: list[int] = []
+        ingest_cpu = [0.0]
+
+        def ingest(
+            batch: Batch, book: RunBook = book, got: list[int] = got, t: list[float] = ingest_cpu
+        ) -> None:
+            t0 = time.process_time()
+            book.add_records(batch.records, now=batch.received_at, source=batch.source)
+            t[0] += time.process_time() - t0
+            got.append(len(batch.records))
+
+        client = RelayClient("bench", on_batch=ingest, on_status=lambda *_: None)
+
+        async def feed(data: bytes = data, client: RelayClient = client) -> None:
+            reader = asyncio.StreamReader(limit=1 << 18)
+            for i in range(0, len(data), 1 << 18):  # reads of the receiver's size
+                reader.feed_data(data[i : i + (1 << 18)])
+            reader.feed_eof()
+            await client._receive(reader, FrameDecoder())
+
+        cpu0 = time.process_time()
+        asyncio.run(feed())
+        cpu = time.process_time() - cpu0
+        print(
+            f"receive path  {name:9s} ranks={n_ranks:5d}  {counts[name]:7d} frames, "
+            f"{sum(got):8d} records for {seconds:.0f} s of traffic: {100 * cpu / seconds:5.2f}% "
+            f"of one core, of which ingest {100 * ingest_cpu[0] / seconds:5.2f}% "
+            f"(load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
@@ -325,22 +442,66 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--tables", nargs="+", default=["line", "datatable"])
     parser.add_argument("--size", default="120x40", help="terminal COLSxROWS")
+    parser.add_argument(
+        "--frames",
+        nargs="+",
+        default=["coalesced"],
+        choices=["as-sent", "coalesced"],
+        help="what the relay sends the monitor: ranks' frames as they came, or batches",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="rounds (interleaved)")
+    parser.add_argument(
+        "--receive-only",
+        action="store_true",
+        help="measure the receive path alone (no terminal): as-sent vs coalesced",
+    )
     args = parser.parse_args()
+    if args.receive_only:
+        for _ in range(args.repeat):
+            for n in args.ranks:
+                receive_path(n, args.rate, args.batch, args.seconds)
+        return
     cols, rows = (int(v) for v in args.size.split("x"))
     results = []
+    for _ in range(args.repeat):
+        for n in args.ranks:
+            for table in args.tables:
+                for frames in args.frames:
+                    r = measure(
+                        table,
+                        n,
+                        args.rate,
+                        args.batch,
+                        args.warmup,
+                        args.seconds,
+                        (cols, rows),
+                        frames,
+                    )
+                    results.append(r)
+                    print(
+                        f"{table:9s} {frames:9s} ranks={n:5d} load {r['load']:4.1f}  "
+                        f"monitor CPU {r['cpu_pct']:5.1f}% of one core  "
+                        f"records {r['sent_per_s']:6.0f}/s in {r['frames_per_s']:5.0f} frames/s  received {r['received_total']} "
+                        f"of {r['sent_total']}  terminal output {r['terminal_kib_per_s']:.0f} KiB/s",
+                        flush=True,
+                    )
+                    print(f"    child CPU totals: {r['child_stats']}", flush=True)
     for n in args.ranks:
         for table in args.tables:
-            r = measure(table, n, args.rate, args.batch, args.warmup, args.seconds, (cols, rows))
-            results.append(r)
+            cpu = {
+                f: [
+                    f"{r['cpu_pct']:.1f}"
+                    for r in results
+                    if (r["ranks"], r["table"], r["frames"]) == (n, table, f)
+                ]
+                for f in args.frames
+            }
             print(
-                f"{table:9s} ranks={n:5d}  monitor CPU {r['cpu_pct']:5.1f}% of one core  "
-                f"records {r['sent_per_s']:6.0f}/s in {r['frames_per_s']:5.0f} frames/s  received {r['received_total']} "
-                f"of {r['sent_total']}  terminal output {r['terminal_kib_per_s']:.0f} KiB/s",
-                flush=True,
+                f"ranks={n} {table}: CPU % by relay frames: "
+                + "; ".join(f"{f} {', '.join(v)}" for f, v in cpu.items())
             )
-            print(f"    child CPU totals: {r['child_stats']}", flush=True)
     for n in args.ranks:
-        by = {r["table"]: r for r in results if r["ranks"] == n}
+        by = {r["table"]: r for r in results if r["ranks"] == n and r["frames"] == args.frames[0]}
         if "line" not in by or "datatable" not in by:
             continue
         target = n * args.rate

@@ -19,8 +19,10 @@ a fraction of the step time. Goal: overhead under 0.5%.
 Fan-in: a relay thread in this process; --fanin-procs client processes open
 --fanin-conns rank connections in total and send --fanin-frames frames each as fast as
 they can (one full record per frame, as a publisher polling every step sends), while one
-monitor process drains the live stream. Printed: frames and records per CPU-second of
-the relay thread (time.thread_time), and frames per wall second.
+monitor process drains the live stream, once per --fanin-batch-s value: 0, the frames as
+they came; a number of seconds, the monitor asks for `batch` frames (the relay's
+coalescing, fsdpx/telemetry/wire/coalesce.py). Printed: frames and records per
+CPU-second of the relay thread (time.thread_time), and frames per wall second.
 """
 
 from __future__ import annotations
@@ -166,8 +168,9 @@ def _blast(address: str, ranks: list[int], frames: int, ready: Any) -> None:
         conn.close()
 
 
-def _drain(address: str, ready: Any, stop: Any) -> None:
-    monitor = connect(address, role="monitor", secret=None, timeout_s=10)
+def _drain(address: str, ready: Any, stop: Any, batch_s: float) -> None:
+    hello = {"batch_s": batch_s} if batch_s else {}
+    monitor = connect(address, role="monitor", secret=None, timeout_s=10, **hello)
     ready.wait()
     monitor.sock.settimeout(0.5)
     while not stop.is_set():
@@ -178,8 +181,8 @@ def _drain(address: str, ready: Any, stop: Any) -> None:
             continue
 
 
-def fan_in(args: argparse.Namespace, workdir: Path) -> None:
-    relay = Relay(str(workdir / "fanin.sock"), log_path=workdir / "fanin.tlm")
+def fan_in(args: argparse.Namespace, workdir: Path, batch_s: float) -> None:
+    relay = Relay(str(workdir / f"fanin{batch_s}.sock"), log_path=workdir / f"fanin{batch_s}.tlm")
     address = str(relay.bind())
     relay.start_thread()
     ctx = mp.get_context("spawn")
@@ -191,7 +194,7 @@ def fan_in(args: argparse.Namespace, workdir: Path) -> None:
         )
         for i in range(args.fanin_procs)
     ]
-    drain = ctx.Process(target=_drain, args=(address, ready, stop))
+    drain = ctx.Process(target=_drain, args=(address, ready, stop, batch_s))
     for p in [*procs, drain]:
         p.start()
     total = args.fanin_conns * args.fanin_frames
@@ -208,9 +211,10 @@ def fan_in(args: argparse.Namespace, workdir: Path) -> None:
     for p in [*procs, drain]:
         p.join(30)
     relay.stop()
+    to_monitor = f"batch_s={batch_s} ({relay.stats.batches_out} batches)" if batch_s else "as sent"
     print(
         f"relay fan-in: {args.fanin_conns} rank connections x {args.fanin_frames} frames "
-        f"(1 record each) + 1 monitor, log on"
+        f"(1 record each) + 1 monitor (frames {to_monitor}), log on"
     )
     print(
         f"  {total / cpu:,.0f} frames per relay CPU-second | {total / wall:,.0f} frames/s wall "
@@ -228,6 +232,13 @@ def main() -> None:
     parser.add_argument("--fanin-conns", type=int, default=64)
     parser.add_argument("--fanin-frames", type=int, default=2000)
     parser.add_argument("--fanin-procs", type=int, default=2)
+    parser.add_argument(
+        "--fanin-batch-s",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.5],
+        help="the monitor's hello batch_s per run (0: frames as they came)",
+    )
     parser.add_argument("--skip-step", action="store_true")
     parser.add_argument("--skip-fanin", action="store_true")
     args = parser.parse_args()
@@ -238,7 +249,8 @@ def main() -> None:
         if not args.skip_step:
             step_time(args, Path(tmp))
         if not args.skip_fanin:
-            fan_in(args, Path(tmp))
+            for batch_s in args.fanin_batch_s:
+                fan_in(args, Path(tmp), batch_s)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -24,6 +24,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Input
 
+from fsdpx.telemetry.wire.coalesce import BATCH_S_MAX, BATCH_S_MIN
 from fsdpx.telemetry.wire.transport import parse_address
 from monitor.messages import ConnectionChanged, ReplayLoaded, TelemetryBatch
 from monitor.model import MonitorModel, MonitorSettings, Snapshot
@@ -157,6 +158,9 @@ class MonitorApp(App[None]):
                     on_status=self._status_poster(address),
                     secret=self.secret,
                     clock=self.clock,
+                    # One frame from the relay per refresh (fsdpx/telemetry/wire/
+                    # coalesce.py [Note: relay coalescing]), within the range it accepts.
+                    batch_s=min(max(1.0 / self.refresh_hz, BATCH_S_MIN), BATCH_S_MAX),
                 )
                 self._clients.append(client)
                 self.run_worker(client.run(), group="relays", name=address)

@@ -7,7 +7,10 @@ posts only callbacks (`on_batch`, `on_status`), which the app turns into message
 Handshake (monitor/PROTOCOL.md): the relay speaks first with a `challenge`; the monitor
 answers `hello` (role "monitor", with an HMAC proof when the relay requires a shared
 secret); the relay answers `welcome` (with its own proof) or `error`, then sends
-`history` frames (the run so far) and live `records`/`events`.
+`history` frames (the run so far) and live `records`/`events`, or, when the monitor asked
+for them (`batch_s`), live `batch` frames: one per refresh, every record and event of the
+interval (fsdpx/telemetry/wire/coalesce.py [Note: relay coalescing]). A relay that does not
+know `batch_s` sends `records`/`events` frames: both are read.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class RelayClient:
         clock: monitor time for `Batch.received_at` (see monitor/model.py [Note: clocks]).
         flush_interval_s: longest time received records wait before a flush.
         retry_s: first reconnect delay; doubles per failure up to `max_retry_s`.
+        batch_s: ask the relay to coalesce live traffic into one `batch` frame per this
+            many seconds (the monitor's refresh interval; BATCH_S_MIN..BATCH_S_MAX);
+            None: a frame per rank frame, as relays forward them.
 
     Example::
 
@@ -73,6 +79,7 @@ class RelayClient:
     flush_interval_s: float = 0.1
     retry_s: float = 0.5
     max_retry_s: float = 5.0
+    batch_s: float | None = None
     reconnect: bool = True
     frames: int = field(default=0, init=False)
     _writer: asyncio.StreamWriter | None = field(default=None, init=False, repr=False)
@@ -132,6 +139,7 @@ class RelayClient:
                 secret=self.secret,
                 host=socket.gethostname(),
                 pid=os.getpid(),
+                **({} if self.batch_s is None else {"batch_s": self.batch_s}),
             )
             writer.write(encode_frame(hello))
             await writer.drain()
@@ -175,8 +183,10 @@ class RelayClient:
                         if message.get("more") is not True:
                             self._deliver(_in_step_order(history))
                             history = Batch(self.address, history=True)
-                    elif kind == "records":
+                    elif kind in ("records", "batch"):
                         pending.records.extend(_list(message.get("records")))
+                        if kind == "batch":
+                            pending.events.extend(_list(message.get("events")))
                     elif kind == "events":
                         pending.events.extend(_list(message.get("events")))
                     elif kind == "dump" and type(message.get("dump")) is dict:

@@ -292,3 +292,107 @@ def skip_a_collective(rank: int, world_size: int, relay: str, release: str) -> f
     pub.close()
     dist.barrier()
     return float(t[0])
+
+
+FSDP_WAIT_STEPS = 3
+"""Steps per half of `slow_before_fsdp_collectives`: rank 1 is slow in the first half,
+rank 0 in the second."""
+FSDP_WAIT_DELAY_S = 0.5
+
+
+class _LateLoader:
+    """Batches from `batches`, each after `delays[i]` seconds (the injected slowness)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], delays: list[float]):
+        self.batches, self.delays = batches, delays
+
+    def __iter__(self) -> Any:
+        import time
+
+        for batch, delay in zip(self.batches, self.delays, strict=True):
+            if delay:
+                time.sleep(delay)
+            yield batch
+
+
+def _slot_spans() -> dict[str, float | None]:
+    """The comm wait each of fsdpx's FSDP slots adds for one call, with a clock whose
+    every span is exactly 1 s (perf_counter ticks 1.0 per read): counts, not times."""
+    import itertools
+    import time
+
+    from fsdpx.comm.fsdp_slot import (
+        CountedAllGather,
+        CountedReduceScatter,
+        QuantizedAllGather,
+        QuantizedReduceScatter,
+    )
+    from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
+
+    group = dist.group.WORLD
+    assert group is not None
+    w = dist.get_world_size()
+    clock, ticks, real = phase_clock(), itertools.count(), time.perf_counter
+    inp, out, piece = torch.ones(8), torch.empty(8 * w), torch.empty(8 // w)
+    spans: dict[str, float | None] = {}
+    clock.enable(torch.device("cpu"))
+    time.perf_counter = lambda: float(next(ticks))  # this rank's process ends after
+    try:
+        clock.take()
+        CountedAllGather()(out, inp, group)
+        spans["all_gather"] = clock.take().seconds[COMM_WAIT]
+        work = CountedAllGather()(out, inp, group, async_op=True)
+        spans["all_gather_issued"] = clock.take().seconds[COMM_WAIT]
+        assert isinstance(work, dist.Work)
+        work.wait()
+        spans["all_gather_waited"] = clock.take().seconds[COMM_WAIT]
+        CountedReduceScatter()(piece, inp, group, dist.ReduceOp.SUM)
+        spans["reduce_scatter"] = clock.take().seconds[COMM_WAIT]
+        QuantizedAllGather("int8", 4)(out, inp, group)
+        spans["qwz"] = clock.take().seconds[COMM_WAIT]
+        QuantizedReduceScatter(8, 4)(piece, inp, group, dist.ReduceOp.SUM)
+        spans["qgz"] = clock.take().seconds[COMM_WAIT]
+    finally:
+        time.perf_counter = real
+        clock.disable()
+    return spans
+
+
+def slow_before_fsdp_collectives(
+    rank: int, world_size: int
+) -> tuple[list[list[float | None]], dict[str, float | None]]:
+    """ZeRO-3 on the tiny GPT, the phase clock on (as a publisher turns it on), and one
+    rank late to each step's first FSDP all-gather: rank 1 in the first FSDP_WAIT_STEPS
+    steps, rank 0 in the next (a data loader that takes FSDP_WAIT_DELAY_S per batch).
+    Returns this rank's phase seconds per step (fsdpx.telemetry.phases.PHASES order), and
+    what each slot adds per call (`_slot_spans`)."""
+    from fsdpx.telemetry.phases import phase_clock
+
+    cfg = fsdpx.Config.from_dict({"optimizer": {"type": "adamw", "lr": LR}})
+    model = make_model()
+    vocab, block = model.config.vocab_size, model.config.block_size
+    engine = fsdpx.shard(model, cfg)
+    g = torch.Generator().manual_seed(rank)
+    steps = 2 * FSDP_WAIT_STEPS
+    batches = [
+        (
+            torch.randint(0, vocab, (2, block), generator=g),
+            torch.randint(0, vocab, (2, block), generator=g),
+        )
+        for _ in range(steps)
+    ]
+    late = [(i < FSDP_WAIT_STEPS) == (rank == 1) for i in range(steps)]
+    loader = _LateLoader(batches, [FSDP_WAIT_DELAY_S if x else 0.0 for x in late])
+    clock = phase_clock()
+    clock.enable(torch.device("cpu"))
+    clock.take()  # nothing before the first step
+    out: list[list[float | None]] = []
+    try:
+        for x, y in fsdpx.telemetry.timed_loader(loader):
+            engine.backward(engine(x, y))
+            engine.step()
+            out.append(clock.take().seconds)
+    finally:
+        clock.disable()
+    dist.barrier()
+    return out, _slot_spans()

@@ -298,6 +298,7 @@ WIRE_MODULES = (
     "prometheus",
     "metrics_http",
     "relay",
+    "coalesce",
 )
 
 

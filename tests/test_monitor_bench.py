@@ -18,9 +18,27 @@ def test_monitor_cpu_benchmark_runs() -> None:
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "monitor_cpu.py"),
         "--ranks", "16", "--seconds", "1", "--warmup", "0.5", "--size", "80x24",
+        "--frames", "as-sent", "coalesced",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     for table in ("line", "datatable"):
-        assert re.search(rf"^{table}\s+ranks=\s+16\s+monitor CPU\s+[\d.]+%", proc.stdout, re.M)
+        for frames in ("as-sent", "coalesced"):
+            line = rf"^{table}\s+{frames}\s+ranks=\s+16 load\s+[\d.]+\s+monitor CPU\s+[\d.]+%"
+            assert re.search(line, proc.stdout, re.M), proc.stdout
+        side_by_side = rf"^ranks=16 {table}: CPU % by relay frames: as-sent [\d.]+; coalesced"
+        assert re.search(side_by_side, proc.stdout, re.M), proc.stdout
     assert re.search(r"^ranks=16: target 80 records/s; .* CPU % per 1k", proc.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_monitor_receive_path_benchmark_runs() -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "monitor_cpu.py"),
+        "--receive-only", "--ranks", "16", "--seconds", "2",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    # Both streams carry every record (16 ranks x 5/s x 2 s), in frames per rank or batches.
+    assert re.search(r"as-sent\s+ranks=\s+16\s+64 frames,\s+160 records", proc.stdout), proc.stdout
+    assert re.search(r"coalesced\s+ranks=\s+16\s+4 frames,\s+160 records", proc.stdout)

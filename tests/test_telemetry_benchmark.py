@@ -32,4 +32,6 @@ def test_telemetry_benchmark_runs() -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert re.search(r"^ratio on/off of medians \d+\.\d+", proc.stdout, re.MULTILINE)
     assert re.search(r"telemetry calls on the training thread: [\d.]+ us/step", proc.stdout)
-    assert re.search(r"^  [\d,]+ frames per relay CPU-second", proc.stdout, re.MULTILINE)
+    assert len(re.findall(r"^  [\d,]+ frames per relay CPU-second", proc.stdout, re.M)) == 2
+    assert "(frames as sent)" in proc.stdout
+    assert re.search(r"\(frames batch_s=0\.5 \([1-9]\d* batches\)\)", proc.stdout), proc.stdout

@@ -2,7 +2,9 @@
 `fsdpx.telemetry.timed_loader`: the record fields a real engine fills, what the clock does
 with telemetry off, no double counting between timed_loader and train_batch, and one real
 3-rank run whose rank 1 has a slow data loader: a monitor connected to the relay reaches
-the state "rank 1 is a chronic straggler in data wait" (waited for, never timed)."""
+the state "rank 1 is a chronic straggler in data wait" (waited for, never timed); and FSDP's
+own all-gathers / reduce-scatters in `comm_wait_s` (fsdpx/comm/fsdp_slot.py [Note: timing
+FSDP's waits]): a rank late to them shows as the other rank's comm wait."""
 
 from __future__ import annotations
 
@@ -18,7 +20,16 @@ import torch
 import fsdpx
 import fsdpx.telemetry
 from fsdpx.telemetry import phases
-from fsdpx.telemetry.phases import DATA_WAIT, PhaseClock, next_batch, phase_clock
+from fsdpx.telemetry.phases import (
+    BACKWARD,
+    COMM_WAIT,
+    DATA_WAIT,
+    FORWARD,
+    OPTIMIZER,
+    PhaseClock,
+    next_batch,
+    phase_clock,
+)
 from fsdpx.telemetry.wire.logfile import iter_log
 from fsdpx.telemetry.wire.protocol import PHASE_FIELDS, RECORD_FIELDS
 from fsdpx.telemetry.wire.relay import Relay
@@ -102,6 +113,44 @@ def test_engine_records_carry_phase_times(tmp_path: Path) -> None:
         # One process: no collective went through fsdpx.comm; CPU: no host-to-device copy.
         assert r["comm_wait_s"] is None and r["h2d_s"] is None
     assert not phase_clock().enabled  # the publisher's close turned the clock off
+
+
+def test_a_late_rank_is_the_other_ranks_fsdp_comm_wait() -> None:
+    """Rank 1 late to the first half's FSDP collectives, rank 0 to the second's (a slow
+    loader: its own data wait): the punctual rank's comm wait is the larger in each half.
+    Orderings of totals over a half (the injected lateness, 0.5 s a step, dwarfs what load
+    does to a tiny model's collectives), no thresholds."""
+    results = run_ranks(telemetry_bodies.slow_before_fsdp_collectives, 2)
+    per_rank = [steps for steps, _ in results]
+    n = telemetry_bodies.FSDP_WAIT_STEPS
+    for steps in per_rank:
+        assert len(steps) == 2 * n
+        for s in steps:
+            comm = s[COMM_WAIT]
+            # FSDP's collectives are timed (no fsdpx.comm collective runs here: without the
+            # slot's timing this is None), and they lie inside the compute spans.
+            assert comm is not None
+            assert 0.0 < comm <= s[FORWARD] + s[BACKWARD] + s[OPTIMIZER], s
+
+    def total(rank: int, phase: int, half: int) -> float:
+        return sum(s[phase] or 0.0 for s in per_rank[rank][half * n : (half + 1) * n])
+
+    for half, late, punctual in ((0, 1, 0), (1, 0, 1)):
+        assert total(late, DATA_WAIT, half) > total(punctual, DATA_WAIT, half)
+        assert total(punctual, COMM_WAIT, half) > total(late, COMM_WAIT, half), per_rank
+    # Each slot call is one span (every span lasts 1 s on the ticking clock): a synchronous
+    # collective is its wait, an asynchronous one waits in work.wait() and not when issued,
+    # and a quantized slot counts only its one collective (the comm layer times it), not
+    # the quantize / dequantize around it: nothing is counted twice.
+    for _, spans in results:
+        assert spans == {
+            "all_gather": 1.0,
+            "all_gather_issued": None,
+            "all_gather_waited": 1.0,
+            "reduce_scatter": 1.0,
+            "qwz": 1.0,
+            "qgz": 1.0,
+        }
 
 
 @pytest.mark.slow  # ~35 s of 3 gloo ranks on 2 busy cores; default-tier twins: the

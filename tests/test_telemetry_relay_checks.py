@@ -219,6 +219,16 @@ def _handshake(relay: Relay, role: str, **fields: Any) -> dict[str, Any]:
         ("monitor", {"host": "h", "pid": 1, "run_id": 7}, "'run_id' must be a str; got int"),
         ("monitor", {"host": "h", "pid": 1, "job": ["x"]}, "'job' must be a str; got list"),
         ("rank", {"rank": 0, "host": "h", "pid": 1, "world_size": 0}, "'world_size' must be an"),
+        # A monitor's request for batch frames (coalesce.py): seconds, within range.
+        (
+            "monitor",
+            {"host": "h", "pid": 1, "batch_s": "0.5"},
+            r"'batch_s' must be a number of seconds from 0.01 to 10.0; got str",
+        ),
+        ("monitor", {"host": "h", "pid": 1, "batch_s": True}, "'batch_s' must be a number"),
+        ("monitor", {"host": "h", "pid": 1, "batch_s": 0}, "'batch_s' must be a number"),
+        ("monitor", {"host": "h", "pid": 1, "batch_s": 3600.0}, "'batch_s' must be a number"),
+        ("monitor", {"host": "h", "pid": 1, "batch_s": float("nan")}, "'batch_s' must be a"),
     ],
 )
 def test_hello_fields_are_checked(

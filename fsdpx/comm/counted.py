@@ -27,8 +27,9 @@ over the whole process.
 The blocking calls here are also timed as exposed communication (`comm_wait_s` of the
 telemetry record, fsdpx/telemetry/phases.py [Note: phase spans]): they return when the
 collective is done, so the time inside them is time the training thread waited for it.
-FSDP's own collectives (fsdpx/comm/fsdp_slot.py) are asynchronous: they are counted, and
-marked done once issued, but not timed here.
+FSDP's own collectives (fsdpx/comm/fsdp_slot.py) may be asynchronous: they are counted,
+and marked done once issued; the slot times their waits itself ([Note: timing FSDP's
+waits] there).
 """
 
 from __future__ import annotations

@@ -44,13 +44,30 @@ next step (ZeRO++ has none either). The per-step error is bounded as above and
 round-to-nearest keeps it from drifting one way; the convergence runs of
 `benchmarks/zeropp.py` measure that this is enough. Error feedback would cost one fp32
 buffer the size of the unsharded gradient per module, which is what ZeRO-3 avoids keeping.
+
+[Note: timing FSDP's waits] `comm_wait_s` is exposed communication: time the training
+thread was blocked waiting for a collective (monitor/PROTOCOL.md "Phase times"). FSDP's
+plain collectives go through `CountedAllGather` / `CountedReduceScatter`, which time it
+where it happens. On a CPU device (gloo) a synchronous call (FSDP's default: all-gathers
+and reduce-scatters are issued with `async_op=False`) returns only when the collective is
+done, so its wall time is the wait; an asynchronous one (`unshard(async_op=True)`) comes
+back as a `_TimedWork`, whose `wait()` (called by FSDP before it uses the output) is the
+wait. The quantized slots are not timed as a whole: their one blocking collective
+(`counted.all_gather_single` / `all_to_all_single`) is timed by the comm layer already,
+and the quantize / dequantize around it is compute, not waiting; timing the slot call too
+would count the collective twice. On CUDA the collectives run on FSDP's own comm streams and
+the host never blocks in them: the exposed part is the time the compute stream stalls on
+FSDP's events, which these slots do not see, so they add nothing there (not built yet: a
+CUDA event at the compute stream's wait point, paired with one after the collective).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from datetime import timedelta
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -65,9 +82,55 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 from fsdpx.comm import counted
 from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 from fsdpx.ops.quant_int4 import dequantize_int4, packed_int4_bytes, quantize_int4
+from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
 
 WeightFormat = Literal["int8", "fp8"]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CLOCK = phase_clock()
+W = TypeVar("W", bound="dist.Work | None")
+
+
+class _TimedWork(dist.Work):
+    """An asynchronous FSDP collective's work whose `wait()` counts as comm wait
+    ([Note: timing FSDP's waits]); FSDP checks `isinstance(work, dist.Work)` and calls
+    `wait()` once before it reads the output."""
+
+    def __init__(self, inner: dist.Work) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        started = time.perf_counter()
+        try:
+            return self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        finally:
+            _CLOCK.add(COMM_WAIT, time.perf_counter() - started)
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self.inner.is_success()
+
+    def exception(self) -> BaseException | None:
+        return self.inner.exception()
+
+    def get_future(self) -> torch.futures.Future[list[Tensor]]:
+        return self.inner.get_future()
+
+
+def _timed(tensor: Tensor, call: Callable[[], W]) -> W | _TimedWork:
+    """Run an FSDP collective, its host wait counted as comm wait on a CPU device
+    ([Note: timing FSDP's waits]): the call itself when synchronous, the work's wait()
+    when it returns one."""
+    if not _CLOCK.enabled or tensor.device.type != "cpu":
+        return call()
+    started = time.perf_counter()
+    work = call()
+    if isinstance(work, dist.Work):
+        return _TimedWork(work)  # issued only: the wait comes when FSDP waits
+    _CLOCK.add(COMM_WAIT, time.perf_counter() - started)
+    return work
 
 
 def _n_blocks(numel: int, block_size: int) -> int:
@@ -89,7 +152,12 @@ class CountedAllGather(DefaultAllGather):
         counted.comm_log().add(
             "all_gather_single", (w - 1) * input_tensor.numel() * input_tensor.element_size(), w
         )
-        work = super().__call__(output_tensor, input_tensor, group, async_op)
+        work = _timed(
+            input_tensor,
+            lambda: super(CountedAllGather, self).__call__(
+                output_tensor, input_tensor, group, async_op
+            ),
+        )
         counted.comm_log().done()  # issued (FSDP waits on it later): see counted's docstring
         return work
 
@@ -102,13 +170,18 @@ class CountedReduceScatter(DefaultReduceScatter):
         output_tensor: Tensor,
         input_tensor: Tensor,
         group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work:
         w = group.size()
         nbytes = input_tensor.numel() * input_tensor.element_size()
         counted.comm_log().add("reduce_scatter", (w - 1) * nbytes // w, w)
-        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        work = _timed(
+            input_tensor,
+            lambda: super(CountedReduceScatter, self).__call__(
+                output_tensor, input_tensor, group, op, async_op
+            ),
+        )
         counted.comm_log().done()
         return work
 
@@ -171,7 +244,7 @@ class QuantizedAllGather(_Alloc, AllGather):
         return None
 
 
-def _as_sum_or_avg(op: dist.ReduceOp.RedOpType) -> bool:
+def _as_sum_or_avg(op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> bool:
     """True for AVG, False for SUM; anything else is refused."""
     if op == dist.ReduceOp.AVG:
         return True
@@ -211,7 +284,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         output_tensor: Tensor,
         input_tensor: Tensor,
         group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> None:
         _check_float(input_tensor, "qgZ")

@@ -7,7 +7,9 @@ Who measures what:
 - data wait: `timed_loader` (user loops) and `Engine.train_batch` (its `next(data_iter)`);
 - forward / backward / optimizer: the engine, around `module(...)`, the loss's backward and
   the optimizer-step boundary (overflow check, clipping, step, scheduler, zero_grad);
-- comm wait: the one comm layer (fsdpx/comm/counted.py), around each blocking collective;
+- comm wait: the one comm layer (fsdpx/comm/counted.py), around each blocking collective,
+  and FSDP's comm slot (fsdpx/comm/fsdp_slot.py [Note: timing FSDP's waits]) around the
+  waits of FSDP's own all-gathers / reduce-scatters on a CPU device;
 - h2d: offload's copy stream (fsdpx/offload/copies.py), on an accelerator only.
 
 [Note: phase spans]

@@ -57,6 +57,7 @@ MESSAGE_TYPES = (
     "log",
     "dump_request",
     "dump",
+    "batch",
 )
 
 PHASE_FIELDS: tuple[str, ...] = (

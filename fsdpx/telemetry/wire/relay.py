@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpx.telemetry.wire.coalesce import Coalescer
 from fsdpx.telemetry.wire.history import History
 from fsdpx.telemetry.wire.logfile import LogWriter, open_log_writer
 from fsdpx.telemetry.wire.metrics_http import DEFAULT_TOKEN_ENV, MetricsServer
@@ -91,6 +92,8 @@ class RelayStats:
     events_in: int = 0
     monitor_frames_dropped: int = 0
     """Frames dropped from slow monitors' queues."""
+    batches_out: int = 0
+    """`batch` frames made for monitors that asked for coalescing (one copy per monitor)."""
     dump_requests: int = 0
     """Monitors' dump requests passed on to the ranks."""
     refused_full: int = 0
@@ -114,6 +117,7 @@ class _Conn:
         "last_step",
         "said_exit",
         "output_dead",
+        "coalesce",
     )
 
     def __init__(self, sock: socket.socket, challenge: dict[str, Any]) -> None:
@@ -135,6 +139,8 @@ class _Conn:
         # A send failed (the peer went away or shut its read side): nothing more is
         # written, but the connection stays open for reading until EOF, see _write.
         self.output_dead = False
+        # A monitor that asked for `batch` frames (its hello's batch_s): its live items.
+        self.coalesce: Coalescer | None = None
 
 
 class Relay:
@@ -282,7 +288,7 @@ class Relay:
         assert self._listener is not None, "call bind() first"
         try:
             while not self._stop.is_set():
-                for key, mask in self._sel.select(timeout=0.5):
+                for key, mask in self._sel.select(timeout=self._select_timeout()):
                     if key.data == "listen":
                         self._accept()
                     elif key.data == "wake":
@@ -296,6 +302,7 @@ class Relay:
                         if conn is not None and mask & selectors.EVENT_WRITE:
                             self._write(conn)
                 self._expire_handshakes()
+                self._flush_batches(time.monotonic())
                 if self._log is not None:
                     self._log.flush_if_due()
                 self.stats.cpu_s = time.thread_time()
@@ -312,6 +319,7 @@ class Relay:
             for _ in range(_DRAIN_READS):
                 if not self._read(conn):
                     break
+        self._flush_batches(None)
 
     def _shutdown(self) -> None:
         if self._shut:
@@ -394,6 +402,8 @@ class Relay:
                 )
             if conn.role == "monitor":
                 self._monitors[conn.sock.fileno()] = conn
+                if message.get("batch_s") is not None:  # checked by check_hello
+                    conn.coalesce = Coalescer(float(message["batch_s"]))
                 for body in self.history.frames():
                     self._queue(conn, body, keep=True)
             return
@@ -408,6 +418,11 @@ class Relay:
             self.stats.frames_in += 1
             self._forward(conn.decoder.last_body)  # to monitors and the log, not history
             return
+        if kind == "batch":
+            raise ProtocolError(
+                "'batch' frames go from a relay to a monitor that asked for them (hello "
+                "batch_s); a rank or relay sends its items in 'records' and 'events' frames"
+            )
         if kind not in ("records", "events", "history"):
             return  # unknown types are ignored (forward compatible)
         validate_message(message, owner=owner)
@@ -436,7 +451,7 @@ class Relay:
                 self.stats.events_in += len(events)
                 conn.said_exit = conn.said_exit or any(e.get("kind") == "exit" for e in events)
         if kind in ("records", "events"):
-            self._forward(conn.decoder.last_body)
+            self._forward(conn.decoder.last_body, message)
 
     def _request_dumps(self, message: dict[str, Any]) -> None:
         """A monitor's `dump_request`: passed on to every rank and relay connection (a
@@ -448,11 +463,44 @@ class Relay:
                 self._queue(conn, body)
         self.stats.dump_requests += 1
 
-    def _forward(self, body: bytes) -> None:
+    def _forward(self, body: bytes, message: dict[str, Any] | None = None) -> None:
+        """Log a frame and send it to every monitor: as it came, or, for a monitor that
+        asked for batches, its records / events (`message`, decoded) into its next batch
+        ([Note: relay coalescing] in fsdpx/telemetry/wire/coalesce.py)."""
         if self._log is not None:
             self._log.write_frame(HEADER.pack(len(body)) + body)
+        now = time.monotonic()
         for monitor in list(self._monitors.values()):
-            self._queue(monitor, body)
+            batch = monitor.coalesce
+            if batch is None:
+                self._queue(monitor, body)
+            elif message is not None and batch.fits(len(body)):
+                records = message.get("records") or [] if message["type"] == "records" else []
+                events = message.get("events") or [] if message["type"] == "events" else []
+                for out in batch.add(records, events, body_bytes=len(body), now=now):
+                    self._queue_batch(monitor, out)
+            else:  # a dump or an oversized frame: what was pending goes first, in order
+                for out in batch.flush():
+                    self._queue_batch(monitor, out)
+                self._queue(monitor, body)
+
+    def _queue_batch(self, monitor: _Conn, body: bytes) -> None:
+        self.stats.batches_out += 1
+        self._queue(monitor, body)
+
+    def _flush_batches(self, now: float | None) -> None:
+        """Send the batches that are due (`now` None: every pending one)."""
+        for monitor in list(self._monitors.values()):
+            batch = monitor.coalesce
+            if batch is not None and batch.due is not None and (now is None or now >= batch.due):
+                for out in batch.flush():
+                    self._queue_batch(monitor, out)
+
+    def _select_timeout(self) -> float:
+        """Wake up for the next due batch, else at least every 0.5 s (handshake expiry)."""
+        dues = [m.coalesce.due for m in self._monitors.values() if m.coalesce is not None]
+        due = min((d for d in dues if d is not None), default=None)
+        return 0.5 if due is None else min(0.5, max(0.0, due - time.monotonic()))
 
     # --- output -------------------------------------------------------------------------
 
@@ -549,7 +597,8 @@ class Relay:
                 "run_id": conn.identity.get("run_id"),  # the run the rank's hello named
             }
             self.history.add_events([event])
-            self._forward(encode_frame({"type": "events", "events": [event]})[HEADER.size :])
+            message = {"type": "events", "events": [event]}
+            self._forward(encode_frame(message)[HEADER.size :], message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

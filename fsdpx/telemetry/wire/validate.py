@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fsdpx.telemetry.wire.coalesce import BATCH_S_MAX, BATCH_S_MIN
 from fsdpx.telemetry.wire.protocol import ProtocolError
 
 _NONCE_BYTES = 32
@@ -37,6 +38,12 @@ _HELLO_FIELDS: tuple[tuple[str, str, Callable[[Any], bool], tuple[str, ...]], ..
     ("job", "a str", lambda v: type(v) is str, ()),
     ("nonce", "a bin of 32 bytes", lambda v: type(v) is bytes and len(v) == _NONCE_BYTES, ()),
     ("auth", "a bin of 32 bytes", lambda v: type(v) is bytes and len(v) == _NONCE_BYTES, ()),
+    (
+        "batch_s",
+        f"a number of seconds from {BATCH_S_MIN} to {BATCH_S_MAX}",
+        lambda v: type(v) in (int, float) and BATCH_S_MIN <= v <= BATCH_S_MAX,
+        (),
+    ),
 )
 _DATA_LISTS = {"records": ("records",), "events": ("events",), "history": ("records", "events")}
 
