@@ -22,6 +22,7 @@ from typing import Any
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.screen import Screen
 from textual.widgets import Footer, Input
 
 from fsdpx.telemetry.wire.coalesce import BATCH_S_MAX, BATCH_S_MIN
@@ -300,8 +301,18 @@ class MonitorApp(App[None]):
         self.summary_bar.show(snap.summary, self._source_text(), snap.nodes)
         self.curves.show(snap.loss_curve, snap.throughput_curve)
         self.table.show(snap)
-        if isinstance(self.screen, RankDetailScreen | StragglersScreen | HangScreen):
-            self.screen.show(snap, self.model)
+        top = self._top_screen()
+        if isinstance(top, RankDetailScreen | StragglersScreen | HangScreen):
+            top.show(snap, self.model)
+
+    def _top_screen(self) -> Screen[object] | None:
+        """The screen on top, or None while the app tears its stack down.
+
+        `App.screen` raises ScreenStackError on an empty stack, and the refresh timer and
+        the binding checks can still run in that window (seen at load ~80 in a test).
+        """
+        stack = self.screen_stack
+        return stack[-1] if stack else None
 
     def _source_text(self) -> str:
         runs = self.runs
@@ -326,14 +337,15 @@ class MonitorApp(App[None]):
     # --- actions ------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        covered = isinstance(self.screen, RankDetailScreen | StragglersScreen | HangScreen)
+        top = self._top_screen()
+        covered = isinstance(top, RankDetailScreen | StragglersScreen | HangScreen)
         if action in ("filter", "outliers", "clear_filter"):
             # They act on the main table: not offered (nor run) while a screen covers it.
             return not covered
         if action in ("stragglers", "hang"):  # (a letter typed into the filter is text)
             return not covered and not isinstance(self.focused, Input)
         if action == "request_dumps":  # only live: a replay has what its log holds
-            return isinstance(self.screen, HangScreen) and bool(self._clients)
+            return isinstance(top, HangScreen) and bool(self._clients)
         if action in ("pause", "seek", "speed"):
             # Replay keys exist only in a replay, and never steal keys from the filter box.
             return self.player is not None and not isinstance(self.focused, Input)

@@ -329,3 +329,22 @@ def test_the_monitor_and_the_wire_package_import_only_the_wire() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@sync
+async def test_refresh_and_key_checks_survive_an_empty_screen_stack() -> None:
+    # While the app tears down, its screen stack is empty and `App.screen` raises; the refresh
+    # timer and the binding checks can still run then (a CI run at load ~80 saw a
+    # ScreenStackError at teardown). Empty the stack by hand and call both.
+    app = MonitorApp(replay=LOG, paused=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await open_replay(app, pilot)
+        stack = app._screen_stack
+        saved = list(stack)
+        stack.clear()
+        try:
+            app.refresh_view()
+            assert app.check_action("filter", ()) is True
+            assert app.check_action("request_dumps", ()) is False
+        finally:
+            stack.extend(saved)
