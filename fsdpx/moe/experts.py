@@ -39,7 +39,13 @@ class Experts(nn.Module):
     """`num_experts` experts shaped like `template` (input [n, d] -> output [n, d])."""
 
     def __init__(
-        self, template: nn.Module, num_experts: int, grouped: Grouped = "loop", reinit: bool = False
+        self,
+        template: nn.Module,
+        num_experts: int,
+        grouped: Grouped = "loop",
+        reinit: bool = False,
+        *,
+        sources: list[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         if grouped not in ("padded", "loop"):
@@ -51,7 +57,8 @@ class Experts(nn.Module):
                 "one module and stack only parameters; use an expert without buffers "
                 "(e.g. Linear / activation / Linear)"
             )
-        copies = [copy.deepcopy(template) for _ in range(num_experts)]
+        # sources: the experts themselves (from_modules), stacked as they are.
+        copies = sources or [copy.deepcopy(template) for _ in range(num_experts)]
         if reinit:
             for c in copies:
                 _reset(c)
@@ -66,6 +73,23 @@ class Experts(nn.Module):
             stacked = torch.stack([c.get_parameter(name).detach() for c in copies])
             owner, leaf = _split(self.expert, name)
             setattr(owner, leaf, nn.Parameter(stacked))
+
+    @classmethod
+    def from_modules(cls, modules: list[nn.Module], grouped: Grouped = "loop") -> Experts:
+        """Stack existing experts (one module each, one class, no buffers) keeping each
+        one's own values: expert j's parameters become row j of the stacked tensors
+        (fsdpx/moe/plan.py converts a model's ModuleList of experts with it)."""
+        classes = {type(m) for m in modules}
+        if len(classes) != 1:
+            names = sorted(c.__name__ for c in classes)
+            raise ValueError(f"experts to stack must share one class; got {names}")
+        shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in modules]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(
+                "experts to stack must have the same parameter names and shapes; expert 0 "
+                f"has {shapes[0]}, another has {next(s for s in shapes if s != shapes[0])}"
+            )
+        return cls(modules[0], len(modules), grouped=grouped, sources=modules)
 
     def local_params(self) -> dict[str, Tensor]:
         """Each stacked parameter as this rank's local block [E_local, ...] (autograd-linked)."""
