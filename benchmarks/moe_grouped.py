@@ -73,29 +73,20 @@ def _times(cases: dict[str, Callable[[], torch.Tensor]], repeat: int) -> dict[st
     return {name: min(ts) for name, ts in runs.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--ffn", type=int, default=512)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def measure(
+    experts: int, tokens: int, hidden: int, ffn: int, repeat: int
+) -> tuple[list[int], dict[str, float]]:
+    """(per-expert row counts, the fastest seconds of each way) for one local expert set;
+    every way's output is checked against the module loop's first."""
     torch.manual_seed(0)
-    template = nn.Sequential(
-        nn.Linear(args.hidden, args.ffn), nn.GELU(), nn.Linear(args.ffn, args.hidden)
-    )
-    counts = _counts(args.tokens, args.experts, seed=1)
-    rows = torch.randn(sum(counts), args.hidden)
-    stacked = Experts(template, args.experts, reinit=True)
+    template = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+    counts = _counts(tokens, experts, seed=1)
+    rows = torch.randn(sum(counts), hidden)
+    stacked = Experts(template, experts, reinit=True)
     modules = nn.ModuleList(
         [
-            nn.Sequential(
-                nn.Linear(args.hidden, args.ffn), nn.GELU(), nn.Linear(args.ffn, args.hidden)
-            )
-            for _ in range(args.experts)
+            nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+            for _ in range(experts)
         ]
     )
 
@@ -124,7 +115,7 @@ def main() -> None:
     w2 = stacked.expert.get_parameter("2.weight")  # [E, hidden, ffn]
     b2 = stacked.expert.get_parameter("2.bias")
     offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-    expert_of_row = torch.repeat_interleave(torch.arange(args.experts), torch.tensor(counts))
+    expert_of_row = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
 
     def grouped_mm() -> torch.Tensor:
         x = rows.detach().requires_grad_()
@@ -134,8 +125,7 @@ def main() -> None:
         out.backward(torch.ones_like(out))
         return out
 
-    reference = module_loop()
-    for m, e in zip(modules, range(args.experts), strict=True):  # same weights everywhere
+    for m, e in zip(modules, range(experts), strict=True):  # same weights everywhere
         with torch.no_grad():
             m[0].weight.copy_(w1[e])
             m[0].bias.copy_(b1[e])
@@ -155,8 +145,21 @@ def main() -> None:
             print(f"torch._grouped_mm: not usable on this build/device: {str(exc).splitlines()[0]}")
     for name in ("sorted loop", "padded bmm"):
         torch.testing.assert_close(cases[name](), reference, rtol=1e-4, atol=1e-4)
+    return counts, _times(cases, repeat)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    counts, best = measure(args.experts, args.tokens, args.hidden, args.ffn, args.repeat)
     print(f"experts={args.experts} rows={sum(counts)} counts={counts} threads={args.threads}")
-    best = _times(cases, args.repeat)
     base = best["per-expert loop (modules)"]
     for name, t in best.items():
         print(f"{name:28s} {t * 1e3:9.2f} ms   speedup vs module loop {base / t:.3f}")
