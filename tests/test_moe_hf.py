@@ -37,6 +37,7 @@ def test_mixtral_and_qwen3_moe_ep2() -> None:
     _check(run_ranks(hb.ep_sweep_body, 2, args=(kinds, cfg)), kinds, dp=2)
 
 
+@pytest.mark.slow  # default-tier twin: test_moe_parallel's meta-built ep = 2 parity
 def test_from_pretrained_under_ep2(tmp_path: Path) -> None:
     """A saved Mixtral loaded by fsdpx.hf.from_pretrained at ep = 2 (built on the meta
     device, experts split over ep while each rank reads its byte ranges): the logits of the
