@@ -19,6 +19,8 @@ seed on the same batches (`--batch` sequences per rank) at ZeRO-3 with AdamW:
   over all 4 ranks like any weight (gathered whole for each layer);
 - `replicated_padded`: the same with `grouped="padded"` (one batched matmul per expert
   layer over tokens padded to the busiest expert) instead of the sorted per-expert loop;
+- `replicated_grouped_mm`: the same with `grouped="grouped_mm"` (one torch._grouped_mm
+  per expert Linear over all experts' rows);
 - `ep2`, `ep4`: mesh.ep = 2 / 4, each rank owns 4 / 2 experts, tokens travel by
   all_to_all, experts are FSDP-sharded over the remaining 2 / 1 ranks.
 
@@ -34,7 +36,7 @@ d c) per layer and micro-step) and the measured / formula ratio; the final loss 
 model and data: the layouts agree up to reduction order).
 
 Then rank 0 times the expert compute alone at 8 local experts (benchmarks/moe_grouped.py's
-measure(): per-expert module loop, fsdpx's sorted loop, padded bmm, torch._grouped_mm)
+measure(): per-expert module loop, fsdpx's sorted loop, padded bmm and grouped_mm)
 while the other ranks wait, the issue's grouped-vs-loop comparison (goal >= 1.5x).
 CPU/gloo timings say little about GPUs (two cores shared by four ranks, no overlap).
 """
@@ -69,6 +71,7 @@ EXPERTS, TOP_K, AUX = 8, 2, 0.01
 LAYOUTS: dict[str, tuple[int, str]] = {  # name -> (mesh.ep, grouped)
     "replicated": (1, "loop"),
     "replicated_padded": (1, "padded"),
+    "replicated_grouped_mm": (1, "grouped_mm"),
     "ep2": (2, "loop"),
     "ep4": (4, "loop"),
 }
@@ -259,7 +262,7 @@ def main() -> None:
             "4 gloo ranks; per-step bytes are per rank (max over ranks)"
         )
         print(
-            f"{'layout':<18} {'step_s':>7} {'x repl':>6} {'state MiB':>9} {'experts':>8} "
+            f"{'layout':<21} {'step_s':>7} {'x repl':>6} {'state MiB':>9} {'experts':>8} "
             f"{'estimate':>8} {'gather MiB':>10} {'estimate':>8} {'a2a MiB':>8} {'formula':>8} "
             f"{'a2a/f':>6} "
             f"{'loss':>7}"
@@ -267,7 +270,7 @@ def main() -> None:
         for name, r in results.items():
             ratio = f"{r['a2a'] / r['formula']:.3f}" if r["formula"] else "-"
             print(
-                f"{name:<18} {r['step_s']:7.3f} {r['step_s'] / base:6.3f} "
+                f"{name:<21} {r['step_s']:7.3f} {r['step_s'] / base:6.3f} "
                 f"{r['state'] / mib:9.3f} {r['experts'] / mib:8.3f} {r['estimate'] / mib:8.3f} "
                 f"{r['gather'] / mib:10.3f} {r['gather_est'] / mib:8.3f} "
                 f"{r['a2a'] / mib:8.3f} {r['formula'] / mib:8.3f} "

@@ -13,8 +13,9 @@ backward of an MLP expert (Linear -> GELU -> Linear) over all of them, four ways
   functional_call per expert on its slice of the sorted rows;
 - `padded bmm` (grouped="padded"): rows copied into [experts, max_count, d], the template
   run once under torch.func.vmap (one batched matmul per layer);
-- `torch._grouped_mm`: stacked weights and per-expert row offsets, one grouped matmul per
-  layer (only where the build has it; on CPU it wants 16-byte-aligned strides).
+- `torch._grouped_mm` (grouped="grouped_mm"): stacked weights and per-expert row offsets,
+  one grouped matmul per Linear (only where the build has it; on CPU it wants 16-byte-aligned
+  strides).
 
 Prints the fastest of `--repeat` interleaved runs of each ([Note: timing on a shared
 machine]) and its ratio to the per-expert module loop.
@@ -32,8 +33,11 @@ dominate and a single thread gains nothing from batching them, while padding to 
 largest expert's count (padded bmm) multiplies the work under uneven loads. The ratios
 also swing by +-30% between runs on this loaded machine. fsdpx.moe.Experts therefore
 defaults to the sorted loop (`grouped="loop"`), the one never far behind; the padded
-form stays selectable, and torch._grouped_mm (an MLP-only kernel here, not a generic
-expert module) is measured only. On a GPU the answer is expected to differ (not measured).
+form stays selectable, and so is torch._grouped_mm (`grouped="grouped_mm"`, for
+Sequential(Linear, activation, Linear) experts only), which benchmarks/moe.py measured at
+1.24x of the module loop (a hand-written call: 1.40x and 1.91x in two earlier runs; hidden
+128 -> 256, 8192 rows): the ratios of this machine swing too much to call it. On a GPU the answer is expected to
+differ (not measured).
 """
 
 from __future__ import annotations
@@ -114,16 +118,6 @@ def measure(
     b1 = stacked.expert.get_parameter("0.bias")
     w2 = stacked.expert.get_parameter("2.weight")  # [E, hidden, ffn]
     b2 = stacked.expert.get_parameter("2.bias")
-    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-    expert_of_row = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
-
-    def grouped_mm() -> torch.Tensor:
-        x = rows.detach().requires_grad_()
-        h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs) + b1[expert_of_row]
-        out = torch._grouped_mm(torch.nn.functional.gelu(h), w2.transpose(1, 2), offs=offs)
-        out = out + b2[expert_of_row]
-        out.backward(torch.ones_like(out))
-        return out
 
     for m, e in zip(modules, range(experts), strict=True):  # same weights everywhere
         with torch.no_grad():
@@ -139,8 +133,8 @@ def measure(
     }
     if hasattr(torch, "_grouped_mm"):
         try:
-            torch.testing.assert_close(grouped_mm(), reference, rtol=1e-4, atol=1e-4)
-            cases["torch._grouped_mm"] = grouped_mm
+            torch.testing.assert_close(grouped("grouped_mm")(), reference, rtol=1e-4, atol=1e-4)
+            cases["torch._grouped_mm"] = grouped("grouped_mm")
         except (RuntimeError, NotImplementedError) as exc:
             print(f"torch._grouped_mm: not usable on this build/device: {str(exc).splitlines()[0]}")
     for name in ("sorted loop", "padded bmm"):

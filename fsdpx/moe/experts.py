@@ -22,8 +22,8 @@ loop: on CPU none is reliably faster than that loop (numbers in its docstring), 
 padded form is the slowest under uneven loads, so the default is "loop".
 `grouped="grouped_mm"` (experts of the form Sequential(Linear, activation, Linear) only)
 runs each Linear as one `torch._grouped_mm` over all local experts with per-expert row
-offsets: 1.4-1.9x the per-expert loop on CPU in benchmarks/moe.py's runs, not the
-default because it covers only that expert form and its summation order differs from the
+offsets: 1.24x the per-expert module loop on CPU in benchmarks/moe.py's last run (README,
+Measured; below the issue's 1.5x), not the default because it covers only that expert form and its summation order differs from the
 loop's (results equal to fp32 rounding, not bitwise).
 """
 
