@@ -55,9 +55,18 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, where: str) -> None:
 
 def test_ep2_zero3_parity_two_ranks() -> None:
     """ep = 2 on 2 ranks (edp = 1), ZeRO-3, clipping: DeepSpeed top-1 with dropped tokens,
-    top-2 with capacity, dropless top-2 with a shared expert and z-loss."""
+    top-2 with capacity, dropless top-2 with a shared expert and z-loss (also with the
+    experts computed by torch._grouped_mm, and built on the meta device)."""
     cfg = {"mesh": {"ep": 2}, "zero": {"stage": 3}, "gradient_clipping": 0.5}
-    cases = {"top1": _case(TOP1, cfg), "top2": _case(TOP2, cfg), "dropless": _case(DROPLESS, cfg)}
+    cases = {
+        "top1": _case(TOP1, cfg),
+        "top2": _case(TOP2, cfg),
+        "dropless": _case(DROPLESS, cfg),
+        "dropless_grouped_mm": _case({**DROPLESS, "grouped": "grouped_mm"}, cfg),
+        # Built on the meta device, materialised shard by shard by per_param_init: trains
+        # as the CPU-built model initialised by the same function (mb.INIT).
+        "dropless_meta": ({**DROPLESS, "meta": True}, cfg),
+    }
     results = run_ranks(mb.parity_body, 2, args=(cases,))
     _check(results, cases, dp=2)
 
@@ -85,16 +94,6 @@ def test_ep_composed_parity_four_ranks() -> None:
     }
     results = run_ranks(mb.parity_body, 4, args=(cases,))
     _check(results, cases, dp=4)
-
-
-def test_meta_built_ep2_parity_two_ranks() -> None:
-    """A model built on the meta device at ep = 2 (ZeRO-3), materialised shard by shard with
-    per_param_init, trains as the CPU-built model initialised by the same function: every
-    expert gets the values of its name's stacked tensor, whatever rank owns it."""
-    cfg = {"mesh": {"ep": 2}, "zero": {"stage": 3}, "gradient_clipping": 0.5}
-    cases = {"dropless_meta": ({**DROPLESS, "meta": True}, cfg)}
-    results = run_ranks(mb.parity_body, 2, args=(cases,))
-    _check(results, cases, dp=2)
 
 
 def test_ep_must_divide_dp_shard() -> None:
