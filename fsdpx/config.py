@@ -506,6 +506,48 @@ class ContextParallelConfig:
         )
 
 
+@dataclass(frozen=True)
+class MoEPlanEntry:
+    """How fsdpx runs one kind of mixture-of-experts block it does not recognise
+    (fsdpx/moe/plan.py): names relative to the block the plan's glob matched."""
+
+    router: str = ""
+    """The submodule giving router logits [tokens, num_experts] from the tokens (e.g. "gate")."""
+    experts: str = ""
+    """An nn.ModuleList of num_experts modules of one class, each tokens [n, d] -> [n, d]."""
+    shared_experts: str = ""
+    """A module every token also goes through, its output added ("": none)."""
+    top_k: int = 2
+    """Experts per token."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores from the logits (over the experts)."""
+    normalize_weights: bool = True
+    """Divide each token's top-k scores by their sum."""
+    return_router_logits: bool = False
+    """The block returns (output, router_logits) instead of the output (Mixtral-style)."""
+
+    def __post_init__(self) -> None:
+        for name in ("router", "experts"):
+            _check(
+                bool(getattr(self, name)),
+                f"moe.plan.*.{name}",
+                getattr(self, name),
+                "the name of a submodule of the matched block (required)",
+            )
+        _check(self.top_k >= 1, "moe.plan.*.top_k", self.top_k, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts blocks fsdpx does not recognise by itself (fsdpx/moe/plan.py)."""
+
+    plan: dict[str, MoEPlanEntry] | None = None
+    """Module-name glob (fnmatch, e.g. "layers.*.moe") -> the block's router, experts and
+    shared experts. Each matched block's experts are stacked into one [num_experts, ...]
+    tensor per parameter (so they split over mesh.ep; their names become
+    `<experts>.expert.<name>`) and the block runs fsdpx's dispatch; at any mesh.ep."""
+
+
 PIPELINE_SCHEDULES = (
     "GPipe",
     "1F1B",
@@ -672,6 +714,7 @@ class Config:
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -36,6 +36,7 @@ gathered-layer buffer, while FSDP2 gathers whole blocks and fsdpx never reshards
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ class ParamShape:
     unit: int
     """-1: owned by the root module; i >= 0: by block i (a fully_shard unit); -2: not
     known (estimate from a bare parameter count)."""
+    expert: bool = False
+    """Stacked experts [num_experts, ...]: split over mesh.ep ([Note: expert terms])."""
 
     @property
     def numel(self) -> int:
@@ -106,6 +109,11 @@ class MemoryEstimate:
     """Measured (fake run) activation bytes at the peak; None without a sample input."""
     peak: int | None = None
     """Measured (fake run) peak bytes, every category; None without a sample input."""
+    expert_params: int = 0
+    """Of `params`: the stacked expert weights' local bytes (their gradients and optimizer
+    state scale alike); 0 without MoE layers."""
+    ep: int = 1
+    """The expert-parallel degree the estimate applied (1 at stage 0: EP needs ZeRO >= 1)."""
 
 
 def param_shapes(model: nn.Module, block_classes: tuple[str, ...] = ()) -> list[ParamShape]:
@@ -116,7 +124,9 @@ def param_shapes(model: nn.Module, block_classes: tuple[str, ...] = ()) -> list[
         shapes = param_shapes(GPT(GPTConfig()))
     """
     from fsdpx.blocks import find_blocks
+    from fsdpx.moe.parallel import expert_param_ids
 
+    experts = expert_param_ids(model)
     owner: dict[int, int] = {}
     for i, block in enumerate(find_blocks(model, block_classes)):
         for p in block.parameters():
@@ -127,7 +137,8 @@ def param_shapes(model: nn.Module, block_classes: tuple[str, ...] = ()) -> list[
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        out.append(ParamShape(tuple(p.shape), p.element_size(), owner.get(id(p), -1)))
+        shape = ParamShape(tuple(p.shape), p.element_size(), owner.get(id(p), -1))
+        out.append(dataclasses.replace(shape, expert=id(p) in experts))
     return out
 
 
@@ -138,19 +149,45 @@ def _shard_numel(shape: tuple[int, ...], shard: int) -> int:
     return math.ceil(shape[0] / shard) * math.prod(shape[1:])
 
 
-def _optimizer_bytes(cfg: Config, shapes: Sequence[ParamShape], shard: int) -> int:
-    local = sum(_shard_numel(p.shape, shard) * p.element_size for p in shapes)
+def local_shape(p: ParamShape, ep: int) -> tuple[int, ...]:
+    """The shape FSDP shards: a stacked expert tensor's ep-local block [E / ep, ...].
+
+    [Note: expert terms] Under mesh.ep the experts of a layer are split over ep ranks
+    (`Shard(0)`) and FSDP shards each rank's [E / ep, ...] block over the
+    expert-data-parallel group of dp_shard / ep ranks (fsdpx/moe/parallel.py), so a rank
+    holds ceil(ceil(E / ep) / (dp_shard / ep)) expert rows of the master, gradient and
+    optimizer state, and gathers E / ep experts (not E) per layer. Without EP (or at
+    stage 0, where EP is refused) experts are ordinary parameters.
+    """
+    if not p.expert or ep == 1 or not p.shape:
+        return p.shape
+    return (math.ceil(p.shape[0] / ep), *p.shape[1:])
+
+
+def _local_numel(p: ParamShape, shard: int, ep: int) -> int:
+    """Rank 0's elements of `p`: sharded over `shard` ranks, experts over ep then shard / ep."""
+    if p.expert and ep > 1:
+        return _shard_numel(local_shape(p, ep), shard // ep)
+    return _shard_numel(p.shape, shard)
+
+
+def _optimizer_bytes(cfg: Config, shapes: Sequence[ParamShape], shard: int, ep: int) -> int:
+    local = sum(_local_numel(p, shard, ep) * p.element_size for p in shapes)
     return OPTIMIZERS[cfg.optimizer.type].state_bytes(cfg.optimizer, local, len(shapes))
 
 
 def _gathered(
-    zero: ZeroConfig, shapes: Sequence[ParamShape], compute: int, largest_layer: int | None
+    zero: ZeroConfig,
+    shapes: Sequence[ParamShape],
+    compute: int,
+    largest_layer: int | None,
+    ep: int,
 ) -> int | None:
     if zero.stage != 3:
-        return sum(p.numel for p in shapes) * compute
+        return sum(math.prod(local_shape(p, ep)) for p in shapes) * compute
     units: dict[int, int] = {}
     for p in shapes:
-        units[p.unit] = units.get(p.unit, 0) + p.numel
+        units[p.unit] = units.get(p.unit, 0) + math.prod(local_shape(p, ep))
     root = units.pop(-1, 0)
     units.pop(_UNKNOWN_UNIT, None)  # a bare parameter count: only largest_layer is known
     if units:
@@ -274,13 +311,15 @@ def estimate_memory(
     units = {p.unit for p in shapes if p.unit >= 0}
     if units and largest_layer_params is None:
         largest_layer_params = max(sum(p.numel for p in shapes if p.unit == u) for u in units)
-    params = sum(_shard_numel(p.shape, shard) * p.element_size for p in shapes)
+    ep = dims.ep if cfg.zero.stage > 0 else 1  # [Note: expert terms]
+    params = sum(_local_numel(p, shard, ep) * p.element_size for p in shapes)
+    expert_params = sum(_local_numel(p, shard, ep) * p.element_size for p in shapes if p.expert)
     grads = params
-    optimizer = _optimizer_bytes(cfg, shapes, shard)
+    optimizer = _optimizer_bytes(cfg, shapes, shard, ep)
     compute = torch.empty((), dtype=torch_dtype(cfg.precision.param_dtype)).element_size()
-    gathered = _gathered(cfg.zero, shapes, compute, largest_layer_params)
+    gathered = _gathered(cfg.zero, shapes, compute, largest_layer_params, ep)
     plan = resolve_offload(cfg)
-    local_numel = sum(_shard_numel(p.shape, shard) for p in shapes)
+    local_numel = sum(_local_numel(p, shard, ep) for p in shapes)
     if plan.device_param_dtype is not None:
         # OffloadedAdamW keeps the device shards (and so their gradients) 16-bit.
         params = grads = local_numel * plan.device_param_bytes(compute)
@@ -324,6 +363,8 @@ def estimate_memory(
         deepspeed_gpu=ds_gpu,
         deepspeed_cpu=ds_cpu,
         zero_paper=zero_paper_bytes(cfg.zero.stage, num_params, shard),
+        expert_params=expert_params,
+        ep=ep,
     )
 
 
@@ -454,6 +495,11 @@ def estimate_report(
         f"{own.grads / gib:.3f}, optimizer {own.optimizer / gib:.3f}), host "
         f"{own.host_bytes / gib:.3f} GiB, nvme {own.nvme_bytes / gib:.3f} GiB",
     ]
+    if own.expert_params:
+        lines.append(
+            f"experts (mesh.ep {own.ep}): {own.expert_params / gib:.3f} GiB of the params "
+            "(their grads and optimizer state in proportion)"
+        )
     if own.peak is not None and own.activations is not None:
         lines.append(
             f"measured (fake run of the real sharding): activations "

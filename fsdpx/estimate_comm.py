@@ -23,6 +23,18 @@ fsdpx.comm's log, shown here so the settings compare). A bare parameter count is
 of one tensor. Tensor / pipeline parallel degrees divide the parameters evenly (an
 approximation: their own collectives are not included).
 
+Mixture of experts under mesh.ep (stages 1-3): each layer's experts are their own FSDP unit
+over the expert-data-parallel group (``W_e`` = dp_shard / ep ranks) holding the layer's
+``E / ep`` local experts ([Note: expert terms] in fsdpx/estimate.py), gathered and
+reduce-scattered like a block. Token dispatch (fsdpx/moe/dispatch.py), per MoE layer and
+micro-step, with ``T`` tokens on the rank, top-``k`` routing, hidden size ``d`` and tokens
+spread evenly over the experts (the expectation; a skewed router sends more or less):
+
+    all-to-all, dispatch = (ep - 1) / ep * (8 * E + 4 * T * k * d * c)
+
+(the int64 count exchange, then the rows out and back in forward, and their gradients
+out and back in backward). It needs ``tokens_per_micro_step``; without it the term is 0.
+
 Example::
 
     print(format_comm_table(comm_table(1_300_000_000, Config(), 64)))
@@ -39,7 +51,7 @@ import torch
 from torch import nn
 
 from fsdpx.config import Config, ZeroConfig
-from fsdpx.estimate import ParamShape, _shard_numel, param_shapes
+from fsdpx.estimate import ParamShape, _shard_numel, local_shape, param_shapes
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.precision import torch_dtype
 from fsdpx.zero import dims_for_stage
@@ -64,14 +76,52 @@ def _blocks(n: int, b: int) -> int:
     return -(-n // b)
 
 
-def _units(shapes: Sequence[ParamShape], tp_pp: int) -> dict[int, list[tuple[int, ...]]]:
-    units: dict[int, list[tuple[int, ...]]] = {}
+Unit = tuple[int, bool]
+"""(owning block, -1 for the root; True for the block's experts under mesh.ep)."""
+
+
+def _units(shapes: Sequence[ParamShape], tp_pp: int, ep: int) -> dict[Unit, list[tuple[int, ...]]]:
+    units: dict[Unit, list[tuple[int, ...]]] = {}
     for p in shapes:
-        shape = p.shape
+        split = p.expert and ep > 1
+        shape = local_shape(p, ep)
         if tp_pp > 1:  # even split over the model-parallel ranks (approximation)
-            shape = (math.ceil(p.numel / tp_pp),)
-        units.setdefault(max(p.unit, 0) if p.unit != -1 else -1, []).append(shape)
+            shape = (math.ceil(math.prod(shape) / tp_pp),)
+        key = (max(p.unit, 0) if p.unit != -1 else -1, split)
+        units.setdefault(key, []).append(shape)
     return units
+
+
+def dispatch_bytes(
+    tokens: int, hidden: int, k: int, num_experts: int, ep: int, element_size: int
+) -> int:
+    """Bytes one rank sends through one MoE layer's all-to-alls in one micro-step (forward
+    and backward) with `tokens` tokens routed evenly (module docstring)."""
+    if ep <= 1:
+        return 0
+    return (ep - 1) * (8 * num_experts + 4 * tokens * k * hidden * element_size) // ep
+
+
+def moe_layer_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
+    """(num_experts, k, hidden) of each MoE layer: fsdpx.moe layers, and Hugging Face fused
+    experts with k from the model config's `num_experts_per_tok`."""
+    from fsdpx.moe.parallel import fused_experts, moe_layers
+
+    sizes = [
+        (layer.num_experts, layer.gate.k, layer.gate.wg.in_features)
+        for _, layer in moe_layers(model)
+    ]
+    k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    for name, module in fused_experts(model):
+        if not isinstance(k, int):
+            raise ValueError(
+                f"fused experts {name!r}: the estimate needs top-k from the model config's "
+                "num_experts_per_tok, which this model lacks; leave tokens_per_micro_step "
+                "unset to estimate without the dispatch term"
+            )
+        e, _, d = module.get_parameter("gate_up_proj").shape
+        sizes.append((e, k, d))
+    return sizes
 
 
 def comm_volume(
@@ -80,15 +130,22 @@ def comm_volume(
     world_size: int,
     *,
     setting: str = "this config",
+    tokens_per_micro_step: int | None = None,
 ) -> CommVolume:
-    """Bytes one rank sends per micro-step under `cfg` (module docstring for the formulas)."""
+    """Bytes one rank sends per micro-step under `cfg` (module docstring for the formulas).
+
+    Args:
+        tokens_per_micro_step: tokens one rank feeds the model per micro-step; with MoE
+            layers and mesh.ep > 1 it adds their dispatch all-to-alls (else 0).
+    """
     zero = cfg.zero
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, world_size), zero)
+    ep = dims.ep if zero.stage > 0 else 1  # [Note: expert terms] in fsdpx/estimate.py
     if isinstance(model_or_num_params, nn.Module):
         shapes = param_shapes(model_or_num_params, zero.block_classes)
     else:
         shapes = [ParamShape((int(model_or_num_params),), 4, 0)]
-    w, reps = dims.dp_shard, dims.dp_replicate
+    reps = dims.dp_replicate
     c = torch.empty((), dtype=torch_dtype(cfg.precision.param_dtype)).element_size()
     r = torch.empty((), dtype=torch_dtype(cfg.precision.reduce_dtype)).element_size()
     b = zero.quantization_block_size
@@ -98,7 +155,8 @@ def comm_volume(
         return (group - 1) * per
 
     ag = rs = a2a = ar = 0
-    for unit, unit_shapes in _units(shapes, dims.tp * dims.pp).items():
+    for (unit, experts), unit_shapes in _units(shapes, dims.tp * dims.pp, ep).items():
+        w = dims.dp_shard // ep if experts else dims.dp_shard
         n = sum(_shard_numel(s, w) for s in unit_shapes)
         if w > 1:
             ag += gather(n, w)
@@ -113,6 +171,9 @@ def comm_volume(
                 rs += (w - 1) * n * r
         if reps > 1:
             ar += 2 * (reps - 1) * n * r // reps
+    if tokens_per_micro_step and ep > 1 and isinstance(model_or_num_params, nn.Module):
+        for e, k, d in moe_layer_sizes(model_or_num_params):
+            a2a += dispatch_bytes(tokens_per_micro_step, d, k, e, ep, c)
     return CommVolume(setting, ag, rs, a2a, ar)
 
 

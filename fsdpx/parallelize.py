@@ -70,6 +70,7 @@ from fsdpx.moe.parallel import (
     check_expert_parallel,
     shard_experts,
 )
+from fsdpx.moe.plan import apply_moe_plan
 from fsdpx.offload import offload_policy
 from fsdpx.optimizers import EXCHANGING_OPTIMIZERS
 from fsdpx.parallel_dims import Axis, ParallelDims
@@ -147,12 +148,24 @@ def parallelize(
             "which initialises each parameter from its full-model name, so every layout "
             "gets the values of the unsplit model"
         )
+    if on_meta and materialize and init_fn is None and dims.ep > 1:
+        # The stacked experts' template modules would reset [E / ep, ...] blocks as if
+        # they were one expert's weight (wrong fan-in), every ep rank alike.
+        raise ValueError(
+            f"a model built on the meta device with mesh.ep = {dims.ep} needs init_fn: pass "
+            "fsdpx.shard(..., init_fn=fsdpx.per_param_init(fn)), which initialises each "
+            "parameter (a stacked expert tensor [num_experts, ...] too) from its full-model "
+            "name, so every ep size gets the values of the unsplit model"
+        )
     if cfg.precision.master_dtype == "bf16":
         # The sharded parameters are the masters: bf16 ones (PrecisionConfig.master_dtype),
         # cast before sharding (on meta, reset_parameters() then initialises in bf16).
         model.to(torch.bfloat16)
+    # moe.plan's blocks get stacked experts and fsdpx's dispatch, at every ep
+    # ([Note: planned blocks] in fsdpx/moe/plan.py); the same on every rank.
+    apply_moe_plan(model, cfg.moe.plan)
     # Before the first collective: every rank gets the same verdict.
-    check_expert_parallel(model, dims, cfg.zero.stage, on_meta=on_meta)
+    check_expert_parallel(model, dims, cfg.zero.stage)
     if not on_meta:
         model.to(device)
     if materialize:
@@ -267,6 +280,7 @@ def parallelize_part(
             else block_reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
+            zero=cfg.zero,
         )
     apply_zero(
         part,

@@ -43,7 +43,9 @@ class Block(nn.Module):
 
 
 TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
-_MODEL_KEYS = ("shared", "dense", "pp")
+_MODEL_KEYS = ("shared", "dense", "pp", "meta")
+"""Model options, not MoE arguments. meta: fsdpx_run builds the model on the meta device
+and initialises it with INIT; the reference builds it on CPU and applies INIT too."""
 
 
 class MoEModel(nn.Module):
@@ -75,9 +77,20 @@ class MoEModel(nn.Module):
         return out if self.pp else (out, aux)
 
 
+def _init(name: str, t: torch.Tensor, g: torch.Generator) -> None:
+    t.normal_(0.0, 0.3, generator=g)
+
+
+INIT = fsdpx.per_param_init(_init, seed=3)
+"""Values by parameter name: the same for a CPU model and a meta-built one at any ep."""
+
+
 def make_model(moe_kwargs: dict[str, Any]) -> MoEModel:
     torch.manual_seed(0)
-    return MoEModel(moe_kwargs)
+    model = MoEModel(moe_kwargs)
+    if moe_kwargs.get("meta"):
+        INIT(model)
+    return model
 
 
 def batches(dp: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -137,7 +150,12 @@ def fsdpx_run(
     cfg = fsdpx.Config.from_dict(
         {"optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, **cfg_dict}
     )
-    engine = fsdpx.shard(make_model(moe_kwargs), cfg)
+    if moe_kwargs.get("meta"):
+        with torch.device("meta"):
+            model = MoEModel(moe_kwargs)
+        engine = fsdpx.shard(model, cfg, init_fn=INIT)
+    else:
+        engine = fsdpx.shard(make_model(moe_kwargs), cfg)
     dp = engine.parallel_dims.dp
     dp_rank = ParallelRank.of(engine)
     losses = []
@@ -183,7 +201,7 @@ def bad_input_body(
     for moe_kwargs, cfg_dict in cases.values():
         if moe_kwargs.get("meta"):
             with torch.device("meta"):
-                model: nn.Module = make_model({k: v for k, v in moe_kwargs.items() if k != "meta"})
+                model: nn.Module = MoEModel(moe_kwargs)
         else:
             model = make_model(moe_kwargs) if moe_kwargs else nn.Linear(HIDDEN, HIDDEN)
         try:

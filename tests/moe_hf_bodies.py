@@ -132,3 +132,26 @@ def ep_sweep_body(
     rank: int, world_size: int, kinds: list[str], cfg_dict: dict[str, Any]
 ) -> dict[str, Any]:
     return {kind: ep_body(rank, world_size, kind, cfg_dict) for kind in kinds}
+
+
+def from_pretrained_body(
+    rank: int, world_size: int, path: str, cfg_dict: dict[str, Any]
+) -> dict[str, Any]:
+    """fsdpx.hf.from_pretrained of a saved tiny Mixtral under cfg_dict (the model is built
+    on the meta device and each rank reads only its shards, experts split over ep); the
+    logits of this rank's batch 0."""
+    from transformers import MixtralForCausalLM
+
+    from fsdpx.hf import from_pretrained
+
+    engine = from_pretrained(MixtralForCausalLM, path, fsdpx.Config.from_dict(cfg_dict))
+    dp_rank = int(fsdpx.parallel_dims.ParallelDims.dp_mesh(engine.mesh).get_local_rank())
+    module = engine.module
+    module.eval()
+    with torch.no_grad():
+        logits = module(input_ids=batches(engine.parallel_dims.dp)[0][dp_rank]).logits
+    classes = sorted(
+        {type(m).__name__ for m in module.modules() if "ExpertParallel" in type(m).__name__}
+    )
+    dist.barrier()
+    return {"logits": logits, "classes": classes}

@@ -162,3 +162,20 @@ def test_long_context_script_runs() -> None:
     args = ["--seq", "128", "--budget-mib", "1", "--sweep", "128", "--steps", "1", "--dim", "32"]
     out = _run(["long_context.py", *args, "--mlp-tile", "32", "--mode", "ring"], 4)
     _line(rf"  4    32 +\d+ +{NUM} +{NUM} +\d+", out)
+
+
+@pytest.mark.slow  # 4 ranks; default-tier twins: tests/test_estimate_moe.py (the formulas
+# the table compares with) and the 2-rank expert-parallel tests.
+def test_moe_script_runs() -> None:
+    out = _run(["moe.py", "--steps", "1", "--warmup", "1", "--tiny", "--repeat", "1"], 4)
+    losses = []
+    for name in ("replicated", "replicated_padded", "replicated_grouped_mm", "ep2", "ep4"):
+        # name, step s, x repl, state / experts / estimate MiB, gather / estimate MiB,
+        # a2a / formula MiB, a2a/f (or -), loss
+        row = _line(rf"{name}\s+{NUM}\s+{NUM}(\s+{NUM}){{7}}\s+({NUM}|-)\s+{NUM}", out)
+        cells = row.split()
+        assert cells[3] == cells[5], row  # model-state bytes: measured = estimated
+        assert cells[6] == cells[7], row  # expert all-gather bytes: measured = estimated
+        losses.append(float(cells[-1]))
+    assert max(losses) - min(losses) <= 2e-3, losses  # same model and batches
+    _line(r"(  torch\._grouped_mm .*|torch\._grouped_mm: not usable.*)", out)

@@ -55,9 +55,18 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, where: str) -> None:
 
 def test_ep2_zero3_parity_two_ranks() -> None:
     """ep = 2 on 2 ranks (edp = 1), ZeRO-3, clipping: DeepSpeed top-1 with dropped tokens,
-    top-2 with capacity, dropless top-2 with a shared expert and z-loss."""
+    top-2 with capacity, dropless top-2 with a shared expert and z-loss (also with the
+    experts computed by torch._grouped_mm, and built on the meta device)."""
     cfg = {"mesh": {"ep": 2}, "zero": {"stage": 3}, "gradient_clipping": 0.5}
-    cases = {"top1": _case(TOP1, cfg), "top2": _case(TOP2, cfg), "dropless": _case(DROPLESS, cfg)}
+    cases = {
+        "top1": _case(TOP1, cfg),
+        "top2": _case(TOP2, cfg),
+        "dropless": _case(DROPLESS, cfg),
+        "dropless_grouped_mm": _case({**DROPLESS, "grouped": "grouped_mm"}, cfg),
+        # Built on the meta device, materialised shard by shard by per_param_init: trains
+        # as the CPU-built model initialised by the same function (mb.INIT).
+        "dropless_meta": ({**DROPLESS, "meta": True}, cfg),
+    }
     results = run_ranks(mb.parity_body, 2, args=(cases,))
     _check(results, cases, dp=2)
 
@@ -139,7 +148,7 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "built with ep_size=1 but mesh.ep is 2": ({**TOP1, "ep_size": 1}, {"mesh": {"ep": 2}}),
     "mesh.ep = 2 needs ZeRO stage 1, 2 or 3": (TOP1, {"mesh": {"ep": 2}, "zero": {"stage": 0}}),
     "mesh.ep = 2 but the model has no fsdpx.moe MoE layer": ({}, {"mesh": {"ep": 2}}),
-    "mesh.ep = 2 with a model built on the meta device": (
+    "a model built on the meta device with mesh.ep = 2 needs init_fn": (
         {**TOP1, "meta": True},
         {"mesh": {"ep": 2}},
     ),

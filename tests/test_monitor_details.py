@@ -161,6 +161,17 @@ async def test_detail_screen_uses_adaptive_units(tmp_path: Path) -> None:
         assert "0.0 GiB" not in text
 
 
+@sync
+async def test_detail_screen_shows_the_expert_load(tmp_path: Path) -> None:
+    """A rank with MoE layers: its expert rows, dropped assignments and imbalance
+    (PROTOCOL.md "Mixture of experts") on the detail screen."""
+    app = live_app(tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await feed_cpu_run(app, pilot, moe_tokens=1536, moe_dropped=12, moe_imbalance=1.875)
+        await pilot.press("enter")
+        await text_once(app, pilot, "moe_tokens", "1536", "moe_dropped", "moe_imbalance", "1.8750")
+
+
 def elapsed_on_screen(app: MonitorApp) -> str:
     line = screen_lines(app)[1]
     assert line.startswith("elapsed "), line

@@ -8,6 +8,7 @@ algorithms gloo and NCCL use:
 |--------------------|------------------------------|
 | all_reduce         | 2 * (W - 1) / W * B(tensor)  |
 | all_to_all_single  | (W - 1) / W * B(input)       |
+| (uneven splits)    | B(input) - B(own split)      |
 | all_gather_single  | (W - 1) * B(input)           |
 | reduce_scatter     | (W - 1) / W * B(input)       |
 
@@ -147,6 +148,26 @@ def all_to_all_single(
     _LOG.add("all_to_all_single", (w - 1) * _nbytes(input) // w, w)
     token = _CLOCK.begin(COMM_WAIT)
     dist.all_to_all_single(output, input, group=group)
+    _CLOCK.end(COMM_WAIT, token)
+    _LOG.done()
+
+
+def all_to_all_uneven(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup,
+) -> None:
+    """all_to_all_single with uneven splits (rows along dim 0), counted as kind
+    all_to_all_single: the bytes of every split but this rank's own (which stays here).
+    Expert parallelism's token dispatch (fsdpx/moe/dispatch.py) uses it."""
+    w = _size(group)
+    row = _nbytes(input) // input.shape[0] if input.shape[0] else 0
+    own = input_splits[dist.get_rank(group)] if input_splits else 0
+    _LOG.add("all_to_all_single", (input.shape[0] - own) * row, w)
+    token = _CLOCK.begin(COMM_WAIT)
+    dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
     _CLOCK.end(COMM_WAIT, token)
     _LOG.done()
 

@@ -5,6 +5,8 @@ router.py    DeepSpeed's top-1 / top-2 capacity gates and the dropless top-k rou
 experts.py   stacked experts and their grouped compute
 dispatch.py  sorting tokens by expert; all_to_all dispatch under expert parallelism
 parallel.py  expert parallelism on mesh.ep, expert FSDP over the expert-data-parallel ranks
+hf_experts.py  automatic EP for transformers' fused experts
+plan.py      moe.plan: stacked experts and fsdpx's dispatch for MoE blocks it does not recognise
 """
 
 from fsdpx.moe.experts import Experts

@@ -13,6 +13,12 @@ and tokens travel to their expert's rank and back with `all_to_all`:
 3. the outputs take the reverse path; each token sums its experts' outputs times the
    gate weights.
 
+The three exchanges go through fsdpx's comm layer (fsdpx/comm/counted.py), so they are
+numbered in hang dumps and their bytes land in the telemetry record's `sent_all_to_all`
+(forward and backward: per MoE layer and micro-step, the count exchange sends
+(ep - 1) / ep * E * 8 bytes and each of the four row exchanges the bytes of the rows
+bound for other ranks).
+
 [Note: no hang in all_to_all] Every rank calls the same collectives in the same order
 whatever its routing: the count exchange, then the two row exchanges, even with zero rows
 to send or receive. A rank that routes no token still runs its experts on an empty batch
@@ -24,11 +30,14 @@ all of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+
+from fsdpx.comm import counted
+from fsdpx.telemetry.moe_load import moe_load
 
 ExpertFn = Callable[[Tensor, list[int]], Tensor]
 
@@ -58,26 +67,35 @@ def moe_dispatch(
     sorted_token = token[order]
     rows = x.index_select(0, sorted_token)
     counts = torch.bincount(expert, minlength=num_experts)
+    counts_list = counts.tolist()  # split sizes; also the expert load of telemetry
+    moe_load().add_routing(counts_list)
     if ep_group is None or dist.get_world_size(ep_group) == 1:
-        out_rows = experts(rows, counts.tolist())
+        moe_load().add_computed(len(sorted_token))
+        out_rows = experts(rows, counts_list)
     else:
-        out_rows = _expert_parallel(rows, counts, experts=experts, group=ep_group)
+        out_rows = _expert_parallel(rows, counts, counts_list, experts=experts, group=ep_group)
     weighted = out_rows * weight[order].unsqueeze(1).to(out_rows.dtype)
     return torch.zeros_like(x).index_add(0, sorted_token, weighted.to(x.dtype))
 
 
 def _expert_parallel(
-    rows: Tensor, counts: Tensor, *, experts: ExpertFn, group: dist.ProcessGroup
+    rows: Tensor,
+    counts: Tensor,
+    counts_list: list[int],
+    *,
+    experts: ExpertFn,
+    group: dist.ProcessGroup,
 ) -> Tensor:
     """Steps 1-3 of the module docstring for rows sorted by (global) expert."""
     ep = dist.get_world_size(group)
     local = counts.numel() // ep
     # 1. recv[r * local + j]: rows rank r sends for this rank's local expert j.
     recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)
-    send_splits = counts.view(ep, local).sum(1).tolist()
+    counted.all_to_all_single(recv, counts, group=group)
+    send_splits = [sum(counts_list[r * local : (r + 1) * local]) for r in range(ep)]
     recv_by_rank = recv.view(ep, local)
     recv_splits = recv_by_rank.sum(1).tolist()
+    moe_load().add_computed(sum(recv_splits))
     # 2. Rows out, then regroup (source rank, expert) -> (expert, source rank).
     arrived = _all_to_all(rows, recv_splits, send_splits, group)
     by_expert = _regroup(recv_by_rank)
@@ -92,8 +110,36 @@ def _all_to_all(
 ) -> Tensor:
     """Rows of `x` exchanged with uneven splits; differentiable (its backward is the
     reverse exchange)."""
-    out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    out: Tensor = _AllToAll.apply(x, output_splits, input_splits, group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all_to_all of rows through the counted comm layer; backward: the reverse."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _exchange(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _exchange(
+    x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    counted.all_to_all_uneven(out, x.contiguous(), output_splits, input_splits, group)
+    return out
 
 
 def _regroup(counts: Tensor) -> Tensor:

@@ -41,6 +41,7 @@ from fsdpx.moe.router import (
     capacity_gating,
     topk_routing,
 )
+from fsdpx.telemetry.moe_load import moe_load
 
 _NOISY = (None, "None", "Jitter", "RSample")
 
@@ -127,6 +128,13 @@ class MOELayer(nn.Module):
         routing = self.gate(x, used_token)
         self.l_aux = routing.l_aux
         self.exp_counts = routing.exp_counts
+        gate = self.gate
+        factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+        if factor is not None and gate.drop_tokens:
+            # Capacity gates: chosen before dropping minus kept (their nonzero() has
+            # synchronised already); telemetry's moe_dropped.
+            dropped = int(routing.exp_counts.sum()) - routing.token.numel()
+            moe_load().add_dropped(dropped)
         out = moe_dispatch(
             x,
             routing.token,

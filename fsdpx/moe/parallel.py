@@ -29,12 +29,16 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from fsdpx.config import ZeroConfig
+from fsdpx.moe.experts import Experts
 from fsdpx.moe.hf_experts import check_fused, enable_fused_ep, fused_experts
 from fsdpx.moe.layer import MoE, MOELayer
+from fsdpx.moe.plan import planned_blocks
 from fsdpx.parallel_dims import Axis, ParallelDims
+from fsdpx.zero import install_comms
 
 EDP = "edp"
 EP = "ep"
@@ -48,15 +52,23 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MOELayer]]:
             yield name, module
 
 
-def check_expert_parallel(
-    model: nn.Module, dims: ParallelDims, zero_stage: int, *, on_meta: bool = False
-) -> None:
+def expert_param_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters expert parallelism splits: every fsdpx.moe layer's stacked
+    experts and every Hugging Face fused experts module's 3-D weights (the estimator's
+    expert terms, fsdpx/estimate.py)."""
+    ids = {id(p) for _, layer in moe_layers(model) for p in layer.experts.parameters()}
+    ids |= {id(p) for _, _, experts in planned_blocks(model) for p in experts.parameters()}
+    ids |= {id(p) for _, module in fused_experts(model) for p in module.parameters()}
+    return ids
+
+
+def check_expert_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int) -> None:
     """The checks every rank makes before any collective (same inputs, same verdict).
+    (A meta-built model under mesh.ep > 1 needs init_fn: fsdpx.parallelize checks that.)
 
     Raises:
         ValueError: an MoE whose ep_size differs from mesh.ep; mesh.ep > 1 with no MoE
-            layer, at ZeRO stage 0, on a meta-built model, or with experts not divisible
-            by mesh.ep.
+            layer, at ZeRO stage 0, or with experts not divisible by mesh.ep.
     """
     layers = list(moe_layers(model))
     for name, module in model.named_modules():
@@ -69,22 +81,22 @@ def check_expert_parallel(
     if dims.ep == 1:
         return
     fused = fused_experts(model)
-    if not layers and not fused:
+    planned = [(name, experts) for name, _, experts in planned_blocks(model)]
+    if not layers and not fused and not planned:
         raise ValueError(
-            f"mesh.ep = {dims.ep} but the model has no fsdpx.moe MoE layer and no Hugging "
-            "Face fused experts (3-D gate_up_proj / down_proj) to split: set mesh.ep to 1, "
-            "or build the model's expert layers with fsdpx.moe.MoE"
+            f"mesh.ep = {dims.ep} but the model has no fsdpx.moe MoE layer, no Hugging "
+            "Face fused experts (3-D gate_up_proj / down_proj) and no block matched by "
+            "moe.plan to split: set mesh.ep to 1, build the model's expert layers with "
+            "fsdpx.moe.MoE, or describe its MoE blocks in moe.plan"
         )
+    for name, experts in planned:
+        if experts.num_experts % dims.ep != 0:
+            raise ValueError(
+                f"moe.plan block {name!r} has {experts.num_experts} experts, not divisible "
+                f"by mesh.ep ({dims.ep}); choose an ep that divides the number of experts"
+            )
     for name, module in fused:
         check_fused(name, module, dims.ep)
-    if on_meta:
-        # Materialisation initialises by module (reset_parameters / init_fn on full-model
-        # names); stacked expert tensors split over ep are not covered yet.
-        raise ValueError(
-            f"mesh.ep = {dims.ep} with a model built on the meta device is not implemented "
-            "yet; build the model on CPU/GPU (fsdpx.shard then gives every rank rank 0's "
-            "weights) or set mesh.ep to 1"
-        )
     if zero_stage == 0:
         raise ValueError(
             f"mesh.ep = {dims.ep} needs ZeRO stage 1, 2 or 3 (stage 0 replicates every "
@@ -112,16 +124,23 @@ def apply_expert_parallel(part: nn.Module, expert_mesh: DeviceMesh) -> None:
     for _, module in fused_experts(part):
         enable_fused_ep(module, ep_mesh)
     for _, layer in moe_layers(part):
-        experts = layer.experts
-        for name, param in list(experts.expert.named_parameters()):
-            owner_name, _, leaf = name.rpartition(".")
-            owner = experts.expert.get_submodule(owner_name) if owner_name else experts.expert
-            # Every rank holds rank 0's values already ([Note: rank 0's initial weights]):
-            # src_data_rank=None cuts the local block without a scatter.
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-            setattr(owner, leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        _split_experts(layer.experts, ep_mesh)
         layer.ep_group = ep_mesh.get_group()
-        experts.grad_scale = 1.0 / ep_mesh.size()
+    for _, block, experts in planned_blocks(part):
+        _split_experts(experts, ep_mesh)
+        block._fsdpx_ep_group = ep_mesh.get_group()  # type: ignore[assignment]
+
+
+def _split_experts(experts: Experts, ep_mesh: DeviceMesh) -> None:
+    """Each stacked parameter as a DTensor Shard(0) over ep; gradients pre-scaled."""
+    for name, param in list(experts.expert.named_parameters()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = experts.expert.get_submodule(owner_name) if owner_name else experts.expert
+        # Every rank holds rank 0's values already ([Note: rank 0's initial weights]):
+        # src_data_rank=None cuts the local block without a scatter.
+        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+        setattr(owner, leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    experts.grad_scale = 1.0 / ep_mesh.size()
 
 
 def shard_experts(
@@ -132,21 +151,25 @@ def shard_experts(
     reshard_after_forward: bool | int,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
+    zero: ZeroConfig,
 ) -> None:
     """fully_shard each MoE layer's experts over the expert-data-parallel ranks (their
-    gradients pre-scaled: [Note: expert gradient scale]); call before the blocks are sharded."""
+    gradients pre-scaled: [Note: expert gradient scale]); call before the blocks are sharded.
+    Their collectives go through fsdpx's comm slot like every other unit's (counted, and
+    quantized under ZeRO++: fsdpx.zero.install_comms)."""
     if dims.dp_replicate > 1:
         fsdp_mesh = expert_mesh[(Axis.DP_REPLICATE.value, EDP)]
     else:
         fsdp_mesh = expert_mesh[EDP]
     units: list[nn.Module] = [layer.experts for _, layer in moe_layers(part)]
+    units += [experts for _, _, experts in planned_blocks(part)]
     units += [module for _, module in fused_experts(part)]
     for unit in units:
-        experts = fully_shard(
+        fully_shard(
             unit,
             mesh=fsdp_mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload_policy or OffloadPolicy(),
         )
-        assert isinstance(experts, FSDPModule)
+        install_comms(unit, zero)  # asserts the unit is an FSDPModule now

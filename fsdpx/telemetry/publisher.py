@@ -57,6 +57,7 @@ from fsdpx.config import TelemetryConfig
 from fsdpx.errors import RankFailureError
 from fsdpx.telemetry.dump import make_dump
 from fsdpx.telemetry.flops import StepMeter, device_peak_tflops
+from fsdpx.telemetry.moe_load import moe_load
 from fsdpx.telemetry.node import node_from_env
 from fsdpx.telemetry.phases import StepPhases, phase_clock
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
@@ -199,6 +200,7 @@ class Publisher:
         self._clock = phase_clock()
         self._clock.enable(device)
         self._clock.take()  # what ran before this publisher is no step of its
+        moe_load().take()  # likewise the expert load ([Note: one expert-load counter])
         if cfg.measure_flops and module is not None and not compiled:
             self._meter.arm(module)
         # The lr the next step will use: read before each step's optimizer.step().
@@ -290,6 +292,7 @@ class Publisher:
             ready,
             self._clock.take(),
             sent,
+            moe_load().take(),
         )
         if len(self._records) == self._records.maxlen:
             self._dropped_queue += 1
@@ -609,4 +612,5 @@ class Publisher:
         )
         record.update(zip(PHASE_FIELDS, phases.seconds_per_phase(), strict=True))
         record.update(item[14])
+        record.update(item[15])
         return record

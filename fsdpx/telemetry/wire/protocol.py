@@ -72,6 +72,12 @@ PHASE_FIELDS: tuple[str, ...] = (
 after version 1 shipped, so optional: records of older publishers and logs lack them and
 readers treat a missing one as nil (DESIGN, Round 2 clarification 5: no version bump)."""
 
+MOE_FIELDS: tuple[str, ...] = ("moe_tokens", "moe_dropped", "moe_imbalance")
+"""Per-step expert load of a rank with mixture-of-experts layers (fsdpx/telemetry/moe_load.py):
+expert rows computed (int), assignments dropped by capacity (int), the worst layer's
+max / mean expert load (float, 1.0 = balanced); nil without MoE layers. Optional, added
+after version 1 shipped (no version bump): older records lack them, read as nil."""
+
 RECORD_FIELDS: tuple[str, ...] = (
     "rank",
     "local_rank",
@@ -110,6 +116,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "sent_reduce_scatter",
     "sent_all_to_all",
     "sent_all_reduce",
+    *MOE_FIELDS,
     *PHASE_FIELDS,
 )
 """Keys of a per-step record, in this order; every key is present, None where unknown.
@@ -120,8 +127,8 @@ them (older publishers) as part of one unnamed run. `sent_*` (optional, no versi
 DESIGN Round 2 clarification 5) are the bytes this rank sent during the step through
 fsdpx.comm, per collective kind (FSDP's all-gathers, its reduce-scatters or qgZ's
 all-to-alls, fsdpx's all-reduces; formulas in fsdpx/comm/counted.py); older publishers
-omit them and readers take a missing one as None. The PHASE_FIELDS come last and may be
-absent (see there)."""
+omit them and readers take a missing one as None; so are the MOE_FIELDS (see there).
+The PHASE_FIELDS come last and may be absent (see there)."""
 
 EVENT_KINDS: tuple[str, ...] = (
     "start",
