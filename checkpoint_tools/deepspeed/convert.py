@@ -2,8 +2,8 @@
 
 Streams ([Note: flat ranges as pieces]): reads one DeepSpeed file at a time (memory-
 mapped) and writes each rank's runs of every parameter straight from views of its flat
-partitions, so memory holds one partition file's pages plus one output chunk, never the
-model. Names: the user's module names DeepSpeed recorded, which are the fqns
+partitions, so memory holds at most one partition file's pages plus the writer's window
+of in-flight chunks ([Note: deferred pieces]), never the model. Names: the user's module names DeepSpeed recorded, which are the fqns
 `fsdpx.shard` of the same model uses ([Note: imported names]).
 """
 
@@ -20,7 +20,7 @@ import torch
 from checkpoint_tools.deepspeed import training_state as ts
 from checkpoint_tools.deepspeed.folder import Files, find_files
 from checkpoint_tools.deepspeed.model_states import ModelStates, Naming, parse_model_states
-from checkpoint_tools.deepspeed.pages import release
+from checkpoint_tools.deepspeed.pages import Releaser
 from checkpoint_tools.deepspeed.rectangles import max_pieces
 from checkpoint_tools.deepspeed.sink import Sink
 from checkpoint_tools.deepspeed.unpickle import Stand_in, load
@@ -175,12 +175,15 @@ def _write_runs(
                     tensor=f"{key} group {run.group}",
                 )
             view = vec[run.local : end]
-            if key == "fp32":
-                for name in [fqn, *aliases.get(fqn, [])]:
-                    sink.put_run(model_name(name), view.float(), run.start, run.param.shape)
-            else:
-                sink.put_run(optim_name(fqn, key), view, run.start, run.param.shape)
-            release(view)  # written: its mapped pages may go ([Note: releasing mapped pages])
+            names = (
+                [model_name(n) for n in [fqn, *aliases.get(fqn, [])]]
+                if key == "fp32"
+                else [optim_name(fqn, key)]
+            )
+            release_once = Releaser(view, len(names))
+            for name in names:
+                data = view.float() if key == "fp32" else view
+                sink.put_run(name, data, run.start, run.param.shape, release_once)
 
 
 def _zero(files: Files, ms: ModelStates, naming: Naming, sink: Sink) -> tuple[int, GroupFacts]:
