@@ -13,8 +13,17 @@ For each case it writes `<case>/` (DeepSpeed's own checkpoint folder: `latest`,
 for that checkpoint: the fp32 weights an import must reproduce bitwise),
 `<case>/continued.safetensors` (zero_to_fp32 of a checkpoint saved after CONTINUE more
 steps) and `<case>/record.json` (config, versions, per-micro-batch losses before and
-after the save). `zero3_universal/` is `ds_to_universal` applied to zero3_bf16's
-checkpoint; its resume reference is zero3_bf16's record.
+after the save). ZeRO stage 0 has no ZeRO files for zero_to_fp32 to read: its cases hold
+`<case>/fp32_masters.safetensors` instead, the fp32 master weights DeepSpeed's optimizer
+held at the save (named by the worker, which knows which module parameter each master
+belongs to), and `continued.safetensors` the same after CONTINUE more steps.
+`zero3_universal/` and `zero1_universal/` are `ds_to_universal` applied to zero3_bf16's
+and zero1_fp32's checkpoints; their resume references are those cases' records.
+
+    ... make_deepspeed_fixtures.py tests/data/deepspeed_ckpt zero0_fp32 zero0_fp16
+
+(re)makes only the named cases (a universal case converts its source case's committed
+checkpoint).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,8 +90,37 @@ CASES: dict[str, dict[str, Any]] = {
             "params": {"warmup_num_steps": 3, "total_num_steps": 20},
         },
     },
+    # Stage 0: plain torch AdamW (fp32) / DeepSpeed's FP16_UnfusedOptimizer around it
+    # (fp16: per-parameter fp32 masters), the whole optimizer state in the model states file.
+    "zero0_fp32": {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 0},
+        "optimizer": _optimizer(1e-2),
+        "scheduler": {
+            "type": "OneCycle",
+            "params": {
+                "cycle_min_lr": 1e-3,
+                "cycle_max_lr": 1e-2,
+                "cycle_first_step_size": 3,
+                "cycle_momentum": False,
+            },
+        },
+    },
+    "zero0_fp16": {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 0},
+        "fp16": {"enabled": True, "loss_scale": 256},
+        "optimizer": _optimizer(1e-2),
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5},
+        },
+    },
 }
-GROUPED = {"zero1_fp32", "zero3_bf16"}
+GROUPED = {"zero1_fp32", "zero3_bf16", "zero0_fp32", "zero0_fp16"}
 """Cases built with two param groups (model_parameters=param_groups(model))."""
 
 
@@ -122,8 +161,12 @@ def worker(case: str, out: Path) -> None:
 
     before = run(0, STEPS)
     engine.save_checkpoint(str(out / case), client_state={"epoch": 1, "dropped": torch.ones(2)})
+    if config["zero_optimization"]["stage"] == 0 and rank == 0:
+        save_masters(engine, out / f"{case}.masters.safetensors")
     after = run(STEPS, CONTINUE)
     engine.save_checkpoint(str(out / f"{case}.continued"))
+    if config["zero_optimization"]["stage"] == 0 and rank == 0:
+        save_masters(engine, out / f"{case}.continued.safetensors")
     if rank == 0:
         record = {
             "case": case,
@@ -143,6 +186,27 @@ def worker(case: str, out: Path) -> None:
     dist.barrier()
 
 
+def save_masters(engine: Any, dest: Path) -> None:
+    """Stage 0: the fp32 masters DeepSpeed's optimizer holds, under their module names,
+    plus the buffers as fp32 (what zero_to_fp32 gives for the other stages)."""
+    from safetensors.torch import save_file
+
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer: per-parameter masters
+        pairs = [
+            (lp, hp)
+            for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
+            for lp, hp in zip(lps, hps, strict=True)
+        ]
+    else:  # fp32: the optimizer steps the module's parameters themselves
+        pairs = [(p, p) for g in opt.param_groups for p in g["params"]]
+    out = {names[id(lp)]: hp.detach().float().clone() for lp, hp in pairs}
+    for n, b in engine.module.named_buffers():
+        out[n] = b.detach().float().clone()
+    save_file(out, str(dest))
+
+
 def fp32_reference(ckpt: Path, dest: Path) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import save_file
@@ -151,17 +215,32 @@ def fp32_reference(ckpt: Path, dest: Path) -> None:
     save_file({k: v.contiguous() for k, v in sd.items()}, str(dest))
 
 
-def main(dest: Path) -> None:
+def _free_port() -> int:
+    # Other jobs on the machine may hold a fixed port.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+UNIVERSAL = {"zero3_universal": "zero3_bf16", "zero1_universal": "zero1_fp32"}
+"""`ds_to_universal` cases: name -> the case whose checkpoint is converted."""
+
+
+def main(dest: Path, only: list[str]) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     env.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="ds_ext_"))
     work = Path(tempfile.mkdtemp(prefix="ds_fixtures_"))
     torchrun = Path(sys.executable).parent / "torchrun"
-    for case in CASES:
+    unknown = set(only) - set(CASES) - set(UNIVERSAL)
+    if unknown:
+        sys.exit(f"unknown cases {sorted(unknown)}; known: {sorted(CASES) + sorted(UNIVERSAL)}")
+    cases = [c for c in CASES if not only or c in only]
+    for case in cases:
         subprocess.run(
             [
                 str(torchrun),
                 f"--nproc_per_node={WORLD}",
-                "--master_port=29561",
+                f"--master_port={_free_port()}",
                 __file__,
                 "--worker",
                 case,
@@ -171,17 +250,26 @@ def main(dest: Path) -> None:
             env=env,
         )
     dest.mkdir(parents=True, exist_ok=True)
-    for case in CASES:
+    for case in cases:
         target = dest / case
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(work / case, target, ignore=shutil.ignore_patterns("zero_to_*.py"))
-        fp32_reference(work / case, target / "zero_to_fp32.safetensors")
-        fp32_reference(work / f"{case}.continued", target / "continued.safetensors")
+        if CASES[case]["zero_optimization"]["stage"] == 0:
+            shutil.copy(work / f"{case}.masters.safetensors", target / "fp32_masters.safetensors")
+            shutil.copy(work / f"{case}.continued.safetensors", target / "continued.safetensors")
+        else:
+            fp32_reference(work / case, target / "zero_to_fp32.safetensors")
+            fp32_reference(work / f"{case}.continued", target / "continued.safetensors")
         shutil.copy(work / f"{case}.record.json", target / "record.json")
-    # ZeRO-3 after ds_to_universal (DeepSpeed's own converter, run as DeepSpeed documents).
-    src = work / "zero3_bf16"
+    for name, source in UNIVERSAL.items():
+        if not only or name in only:
+            universal(dest / source, dest / name, env)
+    shutil.rmtree(work)
+
+
+def universal(src: Path, uni: Path, env: dict[str, str]) -> None:
+    """ds_to_universal (DeepSpeed's own converter, run as DeepSpeed documents)."""
     tag = (src / "latest").read_text().strip()
-    uni = dest / "zero3_universal"
     shutil.rmtree(uni, ignore_errors=True)
     subprocess.run(
         [
@@ -196,18 +284,20 @@ def main(dest: Path) -> None:
             "1",
             "--num_merge_workers",
             "1",
+            # ZeRO 1/2 sources: DeepSpeed asks for Megatron's universal_checkpoint_info;
+            # this flag (documented for other models) adds its default in memory only.
+            "--inject_missing_state",
         ],
         check=True,
         env=env,
     )
     (uni / "latest_universal").write_text(f"{tag}_universal")
-    shutil.rmtree(work)
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         worker(sys.argv[2], Path(sys.argv[3]))
-    elif len(sys.argv) == 2:
-        main(Path(sys.argv[1]))
+    elif len(sys.argv) >= 2 and sys.argv[1] != "--worker":
+        main(Path(sys.argv[1]), sys.argv[2:])
     else:
         sys.exit(__doc__)

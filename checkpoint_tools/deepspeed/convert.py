@@ -2,8 +2,8 @@
 
 Streams ([Note: flat ranges as pieces]): reads one DeepSpeed file at a time (memory-
 mapped) and writes each rank's runs of every parameter straight from views of its flat
-partitions, so memory holds one partition file's pages plus one output chunk, never the
-model. Names: the user's module names DeepSpeed recorded, which are the fqns
+partitions, so memory holds at most one partition file's pages plus the writer's window
+of in-flight chunks ([Note: deferred pieces]), never the model. Names: the user's module names DeepSpeed recorded, which are the fqns
 `fsdpx.shard` of the same model uses ([Note: imported names]).
 """
 
@@ -20,7 +20,7 @@ import torch
 from checkpoint_tools.deepspeed import training_state as ts
 from checkpoint_tools.deepspeed.folder import Files, find_files
 from checkpoint_tools.deepspeed.model_states import ModelStates, Naming, parse_model_states
-from checkpoint_tools.deepspeed.pages import release
+from checkpoint_tools.deepspeed.pages import Releaser
 from checkpoint_tools.deepspeed.rectangles import max_pieces
 from checkpoint_tools.deepspeed.sink import Sink
 from checkpoint_tools.deepspeed.unpickle import Stand_in, load
@@ -31,7 +31,7 @@ from checkpoint_tools.format.errors import DeepSpeedImportError
 # Adam hyperparameters carried into the fsdpx optimizer's param groups; the rest of a
 # DeepSpeed group (foreach, fused, capturable, ...) is a kernel choice of that run.
 HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -41,7 +41,7 @@ class ImportReport:
     source: Path
     output: Path
     kind: str
-    """"ZeRO-1", "ZeRO-2", "ZeRO-3" or "universal"."""
+    """"ZeRO-0" .. "ZeRO-3" or "universal"."""
     world_size: int
     dtype: str
     params: int
@@ -135,7 +135,7 @@ def _rank_part(
     moments, steps = [], []
     for g in range(ngroups):
         s = state.get(g, {})
-        moments.append({k: _flat(s[k], path, f"state[{g}][{k!r}]") for k in _MOMENTS if k in s})
+        moments.append({k: _flat(s[k], path, f"state[{g}][{k!r}]") for k in MOMENTS if k in s})
         step = s.get("step", groups[g].get("step") if isinstance(groups[g], dict) else None)
         steps.append(
             float(step.item() if isinstance(step, torch.Tensor) else step)
@@ -175,12 +175,15 @@ def _write_runs(
                     tensor=f"{key} group {run.group}",
                 )
             view = vec[run.local : end]
-            if key == "fp32":
-                for name in [fqn, *aliases.get(fqn, [])]:
-                    sink.put_run(model_name(name), view.float(), run.start, run.param.shape)
-            else:
-                sink.put_run(optim_name(fqn, key), view, run.start, run.param.shape)
-            release(view)  # written: its mapped pages may go ([Note: releasing mapped pages])
+            names = (
+                [model_name(n) for n in [fqn, *aliases.get(fqn, [])]]
+                if key == "fp32"
+                else [optim_name(fqn, key)]
+            )
+            release_once = Releaser(view, len(names))
+            for name in names:
+                data = view.float() if key == "fp32" else view
+                sink.put_run(name, data, run.start, run.param.shape, release_once)
 
 
 def _zero(files: Files, ms: ModelStates, naming: Naming, sink: Sink) -> tuple[int, GroupFacts]:
@@ -276,7 +279,7 @@ def _optimizer_meta(
     if not info.hyper:
         return None
     keys = (["step"] if info.step and info.step[0] is not None else []) + (
-        list(_MOMENTS) if has_moments else []
+        list(MOMENTS) if has_moments else []
     )
     return {
         "param_groups": [
@@ -290,6 +293,20 @@ def _optimizer_meta(
     }
 
 
+def zero_free(raw: Any, files: Files) -> dict[str, Any]:
+    """`raw`, the model states file of a folder without ZeRO optimizer files, when it is a
+    stage 0 checkpoint ([Note: stage 0 layout]); else the error for the missing files."""
+    if isinstance(raw, dict) and raw.get("param_shapes") is None and "optimizer" in raw:
+        return raw
+    raise DeepSpeedImportError(
+        "expected DeepSpeed ZeRO optimizer files (*zero_pp_rank_R_mp_rank_00_optim_states"
+        ".pt) next to this ZeRO model states file (it has param_shapes), or a universal "
+        f"checkpoint's zero/ folder; found {sorted(p.name for p in files.directory.iterdir())[:10]}"
+        ": an incomplete copy or an interrupted save",
+        path=files.directory,
+    )
+
+
 def import_deepspeed(
     ds_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -300,7 +317,7 @@ def import_deepspeed(
     threads: int | None = None,
 ) -> ImportReport:
     """Convert the DeepSpeed checkpoint at `ds_dir` (root with `latest`, or a tag
-    directory; ZeRO 1-3 or universal) into `out_dir/<tag>`, and point `out_dir/latest`
+    directory; ZeRO 0-3 or universal) into `out_dir/<tag>`, and point `out_dir/latest`
     at it. `renames`: (regex, replacement) pairs applied to every name with re.sub.
     `compression`, `threads`: as RankWriter's (threads None: up to 4, one per core).
 
@@ -313,10 +330,16 @@ def import_deepspeed(
         import_deepspeed("ds_ckpts", "fsdpx_ckpts")
         engine.load_checkpoint("fsdpx_ckpts")
     """
-    from checkpoint_tools.deepspeed import universal
+    from checkpoint_tools.deepspeed import stage0, universal
 
     files = find_files(Path(ds_dir), tag)
-    ms = parse_model_states(load(files.model_states[0]), files.model_states[0])
+    raw = load(files.model_states[0])
+    st0 = None
+    if not files.universal and not files.optim_states:
+        st0 = stage0.parse_stage0(zero_free(raw, files), files.model_states[0])
+        ms = st0.ms
+    else:
+        ms = parse_model_states(raw, files.model_states[0])
     naming = Naming(
         [p.name for g in ms.groups for p in g] + list(ms.buffers) + list(ms.shared), renames
     )
@@ -325,12 +348,17 @@ def import_deepspeed(
     threads = threads or min(4, os.cpu_count() or 1)
     sink = Sink(Path(out_dir), files.directory.name, slots, compression, threads)
     try:
-        if files.universal:
+        meta: dict[str, Any] | None
+        if st0 is not None:
+            info, meta = stage0.convert(st0, naming, sink, files.model_states[0], naming.notes)
+            kind, world = "ZeRO-0", int(ms.raw.get("dp_world_size") or 1)
+        elif files.universal:
             info, has_moments = universal.convert(files, ms, naming, sink)
+            meta = _optimizer_meta(ms.groups, naming, info, has_moments)
             kind, world = "universal", 1
         else:
             stage, info = _zero(files, ms, naming, sink)
-            has_moments = True
+            meta = _optimizer_meta(ms.groups, naming, info, True)
             kind, world = f"ZeRO-{stage}", len(files.optim_states)
         kept, dropped = ts.client_state(ms.raw)
         gas = int(ms.config.get("gradient_accumulation_steps") or 1)
@@ -341,9 +369,9 @@ def import_deepspeed(
             "tag": sink.tag,
             "step": engine["global_steps"],
             "engine": engine,
-            "optimizer": _optimizer_meta(ms.groups, naming, info, has_moments),
+            "optimizer": meta,
             "lr_scheduler": ts.scheduler(ms.raw.get("lr_scheduler"), lrs),
-            "loss_scaler": ts.loss_scaler(info.loss_scaler, ms.dtype == "fp16"),
+            "loss_scaler": ts.loss_scaler(info.loss_scaler, ms.dtype == "fp16", ms.config),
             "client_state": kept,
             "layout": {"zero_stage": int(kind[-1]) if kind.startswith("ZeRO") else None},
             "rng": [],

@@ -1,6 +1,7 @@
 """`fsdpx-ckpt inspect DS_DIR` on a DeepSpeed checkpoint: what it is and what an import
 keeps and drops, without converting it (reads the model states file and rank 0's
-optimizer file, through the same restricted unpickler as the import)."""
+optimizer file, through the same restricted unpickler as the import; ZeRO stage 0 keeps
+its optimizer in the model states file)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,32 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_tools.deepspeed import training_state as ts
-from checkpoint_tools.deepspeed.convert import get_key
+from checkpoint_tools.deepspeed.convert import get_key, zero_free
 from checkpoint_tools.deepspeed.folder import find_files
 from checkpoint_tools.deepspeed.model_states import parse_model_states
+from checkpoint_tools.deepspeed.stage0 import parse_stage0
 from checkpoint_tools.deepspeed.unpickle import Stand_in, load
 
 
 def describe(ds_dir: str | Path, tag: str | None = None) -> dict[str, Any]:
     """A JSON-able description of the DeepSpeed checkpoint at `ds_dir`."""
     files = find_files(Path(ds_dir), tag)
-    ms = parse_model_states(load(files.model_states[0]), files.model_states[0])
-    first = (
-        files.directory / "zero" / "optimizer_state.pt"
-        if files.universal
-        else files.optim_states[0]
-    )
-    top = load(first)
-    osd = top if files.universal else get_key(top, "optimizer_state_dict", first, dict)
-    stage = osd.get("zero_stage") if isinstance(osd, dict) else None
-    stage = stage.args[0] if isinstance(stage, Stand_in) and stage.args else stage
+    raw = load(files.model_states[0])
+    stage: Any
+    if not files.universal and not files.optim_states:
+        ms = parse_stage0(zero_free(raw, files), files.model_states[0]).ms
+        stage = 0
+    else:
+        ms = parse_model_states(raw, files.model_states[0])
+        first = (
+            files.directory / "zero" / "optimizer_state.pt"
+            if files.universal
+            else files.optim_states[0]
+        )
+        top = load(first)
+        osd = top if files.universal else get_key(top, "optimizer_state_dict", first, dict)
+        stage = osd.get("zero_stage") if isinstance(osd, dict) else None
+        stage = stage.args[0] if isinstance(stage, Stand_in) and stage.args else stage
     kept, dropped = ts.client_state(ms.raw)
     scheduler = ms.config.get("scheduler")
     params = [

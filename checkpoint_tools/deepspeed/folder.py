@@ -32,7 +32,8 @@ class Files:
     model_states: list[Path]
     """`mp_rank_00_model_states.pt`, or ZeRO-3's per-rank model files in rank order."""
     optim_states: list[Path]
-    """One per data-parallel rank, in rank order (empty for universal checkpoints)."""
+    """One per data-parallel rank, in rank order (empty for universal checkpoints and
+    for ZeRO stage 0, whose optimizer state is in the model states file)."""
 
 
 def _read_tag(path: Path) -> str:
@@ -109,12 +110,16 @@ def find_files(ds_dir: Path, tag: str | None = None) -> Files:
         return Files(d, True, [model], [])
     optim = {int(m.group(2)): d / n for n in names if (m := _OPTIM_RE.fullmatch(n))}
     if not optim:
-        raise DeepSpeedImportError(
-            "expected DeepSpeed ZeRO optimizer files (*zero_pp_rank_R_mp_rank_00_optim_states"
-            f".pt) or a universal checkpoint's zero/ folder; found {names[:10]}. ZeRO stage 0 "
-            "checkpoints without ZeRO optimizer files are not supported",
-            path=d,
-        )
+        # ZeRO stage 0 (the optimizer is in the model states file), or ZeRO files lost:
+        # the model states file tells which (convert.zero_free).
+        if not (d / "mp_rank_00_model_states.pt").is_file():
+            raise DeepSpeedImportError(
+                "expected DeepSpeed ZeRO optimizer files (*zero_pp_rank_R_mp_rank_00_optim_"
+                "states.pt, ZeRO 1-3), mp_rank_00_model_states.pt alone (ZeRO stage 0) or a "
+                f"universal checkpoint's zero/ folder; found {names[:10]}",
+                path=d,
+            )
+        return Files(d, False, [d / "mp_rank_00_model_states.pt"], [])
     world = max(optim) + 1
     missing = sorted(set(range(world)) - set(optim))
     if missing:

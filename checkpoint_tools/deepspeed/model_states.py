@@ -104,14 +104,24 @@ def parse_model_states(raw: Any, path: Path) -> ModelStates:
         raise DeepSpeedImportError("expected a dict", path=path, tensor="shared_params")
     found = raw.get("ds_config")
     config: dict[str, Any] = found if isinstance(found, dict) else {}
+    return ModelStates(
+        raw,
+        groups,
+        buffers,
+        {str(k): str(v) for k, v in shared.items()},
+        config,
+        config_dtype(config),
+    )
+
+
+def config_dtype(config: dict[str, Any]) -> str:
+    """ "fp16", "bf16" or "fp32": the run's ds_config."""
     dtype = "fp32"
     for key, name in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16")):
         section = config.get(key)
         if isinstance(section, dict) and section.get("enabled"):
             dtype = name
-    return ModelStates(
-        raw, groups, buffers, {str(k): str(v) for k, v in shared.items()}, config, dtype
-    )
+    return dtype
 
 
 class Naming:

@@ -39,3 +39,19 @@ def release(t: torch.Tensor) -> None:
     hi = end // page * page
     if hi > lo:
         _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+class Releaser:
+    """Gives a written range of a mapped view back to the kernel ([Note: releasing mapped
+    pages]) once every name it is written under has it in its file (the writers defer,
+    [Note: deferred pieces]); never before, or an encoder would fault the pages back in."""
+
+    def __init__(self, view: torch.Tensor, names: int) -> None:
+        self.view, self.names = view, names
+        self.left: dict[tuple[int, int], int] = {}
+
+    def __call__(self, a: int, b: int) -> None:
+        left = self.left.get((a, b), self.names) - 1
+        self.left[(a, b)] = left
+        if left == 0:
+            release(self.view[a:b])

@@ -9,9 +9,10 @@ files, unrelated to the world size that later loads it (loading reshards).
 
 from __future__ import annotations
 
+import functools
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,8 +54,12 @@ class Sink:
         """Start the next group of `slots` rank files (one per DeepSpeed rank file)."""
         self.close_group()
         base = len(self.infos)
+        # defer: encoding a run overlaps writing the previous ones ([Note: deferred
+        # pieces]); the importer's sources are read-only mappings that stay alive.
         self._group = [
-            RankWriter(self.temp, base + j, compression=self.compression, threads=self.threads)
+            RankWriter(
+                self.temp, base + j, compression=self.compression, threads=self.threads, defer=True
+            )
             for j in range(self.slots)
         ]
 
@@ -68,9 +73,18 @@ class Sink:
         self._group[0].add(name, t, global_shape=t.shape, offsets=(0,) * t.dim())
         self.bytes += t.numel() * t.element_size()
 
-    def put_run(self, name: str, run: torch.Tensor, start: int, shape: Sequence[int]) -> None:
+    def put_run(
+        self,
+        name: str,
+        run: torch.Tensor,
+        start: int,
+        shape: Sequence[int],
+        written: Callable[[int, int], None] | None = None,
+    ) -> None:
         """Flat elements `[start, start + len(run))` of tensor `name` of `shape`, as
-        rectangles written from views of `run` (no copy)."""
+        rectangles written from views of `run` (no copy). The writers defer: `run` must
+        stay unchanged until `written(a, b)` has run for each of its ranges `[a, b)` (one
+        per rectangle, in run elements), i.e. until that range is in its file."""
         pos = 0
         stride = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
@@ -81,8 +95,13 @@ class Sink:
             for s in rshape:
                 n *= s
             assert first == pos, (name, first, pos)
+            done = None if written is None else functools.partial(written, pos, pos + n)
             self._group[j].add(
-                name, run[pos : pos + n].view(rshape), global_shape=shape, offsets=offs
+                name,
+                run[pos : pos + n].view(rshape),
+                global_shape=shape,
+                offsets=offs,
+                written=done,
             )
             pos += n
         self.bytes += run.numel() * run.element_size()

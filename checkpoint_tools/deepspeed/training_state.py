@@ -101,16 +101,28 @@ def scheduler(saved: Any, lrs: list[float]) -> dict[str, Any] | None:
         return None
 
 
-def loss_scaler(saved: Any, fp16: bool) -> dict[str, Any] | None:
-    """fsdpx's loss-scaler state for the pickled DeepSpeed scaler (None unless fp16)."""
-    if not fp16 or not isinstance(saved, Stand_in):
+def loss_scaler(saved: Any, fp16: bool, config: dict[str, Any]) -> dict[str, Any] | None:
+    """fsdpx's loss-scaler state for the pickled DeepSpeed scaler, or for the scaler
+    fields a stage 0 fp16 optimizer saves (a dict; None unless fp16). Those fields omit
+    `cur_hysteresis`: DeepSpeed resumes it at the config's `hysteresis`, and so does
+    the import."""
+    if not fp16:
         return None
-    dynamic = bool(saved.state.get("dynamic", type(saved).__name__ == "DynamicLossScaler"))
+    if isinstance(saved, Stand_in):
+        state = saved.state
+        dynamic = bool(state.get("dynamic", type(saved).__name__ == "DynamicLossScaler"))
+    elif isinstance(saved, dict):
+        dynamic = bool(saved.get("dynamic_loss_scale"))
+        section = config.get("fp16")
+        hysteresis = section.get("hysteresis", 2) if isinstance(section, dict) else 2
+        state = {"cur_hysteresis": hysteresis, **saved}
+    else:
+        return None
     out: dict[str, Any] = {}
     for key in _SCALER_KEYS[dynamic]:
-        if key not in saved.state:
+        if key not in state:
             return None
-        out[key] = float(saved.state[key]) if key == "cur_scale" else int(saved.state[key])
+        out[key] = float(state[key]) if key == "cur_scale" else int(state[key])
     return out
 
 

@@ -2,8 +2,11 @@
 
 Layout (DeepSpeed 0.19): `<tag>_universal/zero/<param name>/{fp32,exp_avg,exp_avg_sq}.pt`,
 each one whole parameter (flattened for ZeRO-3 sources, or a dict with the tensor under
-`param`), `zero/optimizer_state.pt` (rank 0's optimizer state dict: param groups with
-the hyperparameters, Adam `step`, loss scaler) and the source's model states file(s).
+`param`), `zero/optimizer_state.pt` (rank 0's optimizer state: param groups with the
+hyperparameters, loss scaler; ZeRO-3 sources: torch's state dict with Adam's `step`;
+ZeRO 1/2 sources: `param_groups` at the top and a `zero/<param>/step.pt` per parameter)
+and the source's model states file(s). ZeRO 1/2 sources also get `zero/<buffer>/fp32.pt`
+folders; buffers are read from the model states file as for the other layouts.
 One parameter file is read at a time.
 """
 
@@ -28,9 +31,13 @@ _FILES = {"fp32": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.
 
 
 def _facts(common: Any, path: Path, ngroups: int) -> GroupFacts:
+    # ZeRO-3 sources: torch's state dict under optimizer_state_dict; ZeRO 1/2 sources:
+    # `param_groups` at the top (each parameter's step is in zero/<param>/step.pt).
     base = common.get("optimizer_state_dict") if isinstance(common, dict) else None
     if base is None and isinstance(common, dict):
         base = common.get("base_optimizer_state")
+    if base is None and isinstance(common, dict) and "param_groups" in common:
+        base = common
     groups = get_key(base, "param_groups", path, list)
     state = (base.get("state") if isinstance(base, dict) else None) or {}
     if len(groups) != ngroups:
@@ -45,6 +52,17 @@ def _facts(common: Any, path: Path, ngroups: int) -> GroupFacts:
         steps.append(None if step is None else float(torch.as_tensor(step).item()))
     hyper = [{k: plain(v) for k, v in grp.items() if k in HYPER} for grp in groups]
     return GroupFacts(hyper, steps, common.get("loss_scaler"))
+
+
+def _step(path: Path) -> float:
+    t = load(path)
+    if not isinstance(t, torch.Tensor) or t.numel() != 1:
+        raise DeepSpeedImportError(
+            f"expected a one-element step tensor; found {getattr(t, 'shape', type(t).__name__)}",
+            path=path,
+            tensor="step",
+        )
+    return float(t.item())
 
 
 def _tensor(path: Path, p: Param) -> torch.Tensor:
@@ -86,6 +104,17 @@ def convert(files: Files, ms: ModelStates, naming: Naming, sink: Sink) -> tuple[
             path=zero,
         )
     moments = has["exp_avg"] and has["exp_avg_sq"]
+    if moments and all((zero / p.name / "step.pt").is_file() for p in params):
+        facts.step = [_step(zero / g[0].name / "step.pt") if g else None for g in ms.groups]
+        for g in ms.groups:
+            for p in g[1:]:
+                if _step(zero / p.name / "step.pt") != facts.step[p.group]:
+                    raise DeepSpeedImportError(
+                        f"expected every parameter of group {p.group} at step "
+                        f"{facts.step[p.group]} (its first parameter's)",
+                        path=zero / p.name / "step.pt",
+                        tensor=p.name,
+                    )
     sink.open_group()
     write_rank0_extras(sink, ms, naming, facts.step if moments else [None] * len(ms.groups))
     aliases: dict[str, list[str]] = {}

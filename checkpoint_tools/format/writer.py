@@ -12,7 +12,7 @@ import struct
 import threading
 import zlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,10 @@ from checkpoint_tools.format.layout import (
 )
 from checkpoint_tools.format.root import fsync_dir, fsync_file
 
+_Inflight = tuple[
+    "Future[tuple[codec.Encoded, np.ndarray]]", list[list[int]], int, Callable[[], None] | None
+]
+
 # Names the MANIFEST's own version (informational); rank files carry theirs in headers.
 WRITER_ID = f"fsdpx-checkpoint {FORMAT_MAJOR}.{BASE_MINOR}"
 
@@ -65,6 +69,10 @@ class RankWriter:
             (zstd, numpy, zlib and the native kernels release the GIL) while the calling
             thread writes finished chunks in order ([Note: pipelined writer]).
         kernels: shuffle / CRC kernels ([Note: codec injection]); numpy + zlib by default.
+        defer: let `add` return once the piece's chunks are queued, so that encoding one
+            piece overlaps writing the previous ones ([Note: deferred pieces]). The caller
+            must leave each added tensor unchanged until its `written` callback has run
+            (at the latest, until close()).
 
     Example::
 
@@ -85,6 +93,7 @@ class RankWriter:
         file_id: bytes | None = None,
         threads: int = 1,
         kernels: Kernels | None = None,
+        defer: bool = False,
     ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive int; got {threads!r}")
@@ -116,6 +125,10 @@ class RankWriter:
         self._minor = BASE_MINOR
         self._file_id = file_id if file_id is not None else os.urandom(16)
         self._pieces: list[dict[str, Any]] = []
+        self._defer = defer
+        # Chunks being encoded, in file order: (future, its piece's chunk list, raw
+        # bytes, the piece's `written` callback when this is its last chunk).
+        self._inflight: deque[_Inflight] = deque()
         self._names: set[str] = set()
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -133,6 +146,7 @@ class RankWriter:
         *,
         global_shape: Sequence[int],
         offsets: Sequence[int],
+        written: Callable[[], None] | None = None,
     ) -> None:
         """Append one piece: `local` is the rectangle of the global tensor `name` that
         starts at `offsets` (same number of dims as `global_shape`).
@@ -142,6 +156,8 @@ class RankWriter:
             local: this rank's piece; any device, dtype from layout.DTYPES, any strides.
             global_shape: shape of the whole tensor.
             offsets: index of the piece's first element in the global tensor.
+            written: called (on this thread) once the piece's bytes are in the data file;
+                before `add` returns unless the writer defers.
         """
         if self._closed:
             raise ValueError(
@@ -179,7 +195,7 @@ class RankWriter:
             )
         self._names.add(name)
         try:
-            chunks = self._write_chunks(local)
+            chunks = self._write_chunks(local, written)
         except BaseException:
             # The data file now ends in a partial piece: nothing more may be added.
             self.abort()
@@ -195,23 +211,59 @@ class RankWriter:
             }
         )
 
-    def _write_chunks(self, local: torch.Tensor) -> list[list[int]]:
+    def _write_chunks(
+        self, local: torch.Tensor, written: Callable[[], None] | None
+    ) -> list[list[int]]:
+        """[Note: pipelined writer] Chunks encode on the pool while the calling thread
+        writes earlier ones, in order. At most 2 x threads chunks are in flight, each
+        holding one of at most 2 x threads + 1 scratch buffers (one more is being
+        written), so memory stays a few chunks however large the piece is. The data file
+        is fsynced once, in close().
+
+        [Note: deferred pieces]
+        Without `defer`, a piece's last chunks are waited for before `add` returns, so a
+        model of chunk-sized tensors (4 MiB: a 1024 x 1024 fp32 weight) encodes one chunk
+        at a time with the pool mostly idle. With `defer` the in-flight window spans
+        pieces: `add` queues the chunks and returns, the window is drained as it fills,
+        and close() writes the rest. The returned chunk list is filled as chunks are
+        written (file order is queue order either way, so the bytes are the same); a
+        piece's `written` callback runs when its last chunk is (the importer returns a
+        memory-mapped source's pages to the kernel then, not before)."""
         t = local.detach().to("cpu").contiguous().reshape(-1)
         size = t.element_size()
         raw = t.view(torch.uint8).numpy()
         step = max(1, self.chunk_bytes // size) * size
-        chunks = []
-        for start, (enc, buf) in zip(
-            range(0, len(raw), step), self._pipeline(raw, size, step), strict=True
-        ):
-            for part in enc.parts:
-                self._f.write(part)
-            self._free.put(buf)  # its planes are written: reusable
-            if enc.codec == CODEC_PLANES:
-                self._minor = max(self._minor, 1)
-            chunks.append([self._pos, enc.size, min(step, len(raw) - start), enc.crc, enc.codec])
-            self._pos += enc.size
+        chunks: list[list[int]] = []
+        starts = range(0, len(raw), step)
+        for a in starts:
+            while len(self._inflight) >= 2 * self.threads:
+                self._write_next()
+            future = self._pool.submit(self._encode, raw[a : a + step], size)
+            last = a + step >= len(raw)
+            self._inflight.append(
+                (future, chunks, min(step, len(raw) - a), written if last else None)
+            )
+        if not starts and written is not None:
+            written()  # an empty piece: nothing to write
+        if not self._defer:
+            while self._inflight:
+                self._write_next()
         return chunks
+
+    def _write_next(self) -> None:
+        """Write the oldest in-flight chunk (waiting for its encoding)."""
+        future, chunks, nbytes, written = self._inflight[0]
+        enc, buf = future.result()
+        self._inflight.popleft()
+        for part in enc.parts:
+            self._f.write(part)
+        self._free.put(buf)  # its planes are written: reusable
+        if enc.codec == CODEC_PLANES:
+            self._minor = max(self._minor, 1)
+        chunks.append([self._pos, enc.size, nbytes, enc.crc, enc.codec])
+        self._pos += enc.size
+        if written is not None:
+            written()
 
     def _encode(self, raw: np.ndarray, size: int) -> tuple[codec.Encoded, np.ndarray]:
         buf = self._take_buffer()
@@ -232,22 +284,6 @@ class RankWriter:
                 return np.empty(self.chunk_bytes, dtype=np.uint8)
         return self._free.get()
 
-    def _pipeline(
-        self, raw: np.ndarray, size: int, step: int
-    ) -> Iterator[tuple[codec.Encoded, np.ndarray]]:
-        """[Note: pipelined writer] Chunks encode on the pool while the calling thread
-        writes earlier ones, in order. At most 2 x threads chunks are in flight, each
-        holding one of at most 2 x threads + 1 scratch buffers (one more is being
-        written), so memory stays a few chunks however large the piece is. The data file
-        is fsynced once, in close()."""
-        pending: deque[Future[tuple[codec.Encoded, np.ndarray]]] = deque()
-        for a in range(0, len(raw), step):
-            if len(pending) >= 2 * self.threads:
-                yield pending.popleft().result()
-            pending.append(self._pool.submit(self._encode, raw[a : a + step], size))
-        while pending:
-            yield pending.popleft().result()
-
     def _new_cctx(self) -> zstandard.ZstdCompressor:
         return zstandard.ZstdCompressor(
             level=self.level, write_content_size=True, write_checksum=False
@@ -259,6 +295,13 @@ class RankWriter:
         if self._closed:
             raise ValueError(f"RankWriter for rank {self.rank} is already closed or aborted")
         self._closed = True
+        try:
+            while self._inflight:  # deferred pieces ([Note: deferred pieces])
+                self._write_next()
+        except BaseException:
+            self._pool.shutdown(cancel_futures=True)
+            self._f.close()
+            raise
         self._pool.shutdown()
         try:
             if self._minor != BASE_MINOR:
@@ -296,6 +339,7 @@ class RankWriter:
         """Close the data file without writing an index (the engine removes the directory)."""
         if not self._closed:
             self._closed = True
+            self._inflight.clear()
             self._pool.shutdown(cancel_futures=True)
             self._f.close()
 
