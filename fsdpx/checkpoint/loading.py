@@ -36,6 +36,7 @@ from checkpoint_tools.format import (
 )
 from checkpoint_tools.format.root import committed, resolve
 from fsdpx.checkpoint import commit
+from fsdpx.checkpoint import node_local as node_local_save
 from fsdpx.checkpoint.external import (
     ExternalState,
     external_state_owner,
@@ -235,6 +236,39 @@ def _rebuild(report: dict[str, Any], rank: int) -> Exception:
     return exc
 
 
+def _report(exc: Exception, message: str) -> dict[str, Any]:
+    attrs = {k: v for k, v in vars(exc).items() if v is None or isinstance(v, str | int)}
+    return {"ok": False, "type": type(exc).__name__, "message": message, "attrs": attrs}
+
+
+def _agree_on_save(
+    root: str,
+    path: Path | None,
+    reader: CheckpointReader | None,
+    error: Exception | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Node-local loads, before any state is touched: every rank opened its node's
+    directory, and all found the same save; else every rank raises the same error."""
+    rank, size = commit.world(group)
+    vote = node_local_save.load_vote(path, reader)
+    vote.update({"ok": True} if error is None else _report(error, str(error)))
+    votes = commit.all_gather_obj(vote, group)
+    failed = [(r, v) for r, v in enumerate(votes) if not v["ok"]]
+    if not failed:
+        clash = node_local_save.disagreement(root, votes)
+        if clash is None:
+            return
+        failed = [(0, _report(CheckpointError(clash), clash))]
+    elif size > 1:
+        r, v = failed[0]
+        failed = [(r, {**v, "message": f"{v['message']} (rank {r} of {size}, on {v['host']})"})]
+    if reader is not None:
+        reader.close()
+    r, v = failed[0]
+    raise _rebuild(v, r) from error
+
+
 def _apply(
     loader: _Loader,
     model: nn.Module,
@@ -294,6 +328,7 @@ def load(
     group: dist.ProcessGroup | None = None,
     partial: bool = False,
     threads: int = 1,
+    node_local: bool = False,
 ) -> LoadResult:
     """Load a checkpoint written by fsdpx.checkpoint.save (any world size or layout).
 
@@ -310,6 +345,9 @@ def load(
             the ranks together must hold every model tensor of the checkpoint.
         threads: threads per rank that read and decode chunks in parallel
             (`checkpoint.threads`; the engine passes it).
+        node_local: each rank reads `directory` on its own node, which holds only its
+            node's ranks' files (`checkpoint.node_local`; [Note: node-local checkpoints]
+            in node_local.py); every rank must find the same save.
     Returns:
         LoadResult(path, client_state, engine_state).
     Raises:
@@ -333,12 +371,23 @@ def load(
     rng: dict[str, Any] | None = None
     report: dict[str, Any] = {"ok": True}
     error: Exception | None = None
+    reader: CheckpointReader | None = None
     try:
         path = resolve(directory, tag)
+        reader = CheckpointReader(
+            path, kernels=checkpoint_kernels(), threads=threads, present_only=node_local
+        )
+    except Exception as exc:
+        error = exc
+    if node_local:
+        _agree_on_save(str(directory), path, reader, error, group)
+    try:
+        if error is not None:
+            raise error
+        assert reader is not None and path is not None
         # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
         # state straight into its swap file); after_load then updates the device copies.
         owner = external_state_owner(model, optimizer)
-        reader = CheckpointReader(path, kernels=checkpoint_kernels(), threads=threads)
         with reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
@@ -368,8 +417,7 @@ def load(
                 " The model/optimizer state is partly overwritten: load another checkpoint "
                 "before training on."
             )
-        attrs = {k: v for k, v in vars(exc).items() if v is None or isinstance(v, str | int)}
-        report = {"ok": False, "type": type(exc).__name__, "message": message, "attrs": attrs}
+        report = _report(exc, message)
     if partial and report["ok"] and loader is not None:
         report["held"] = loader.held
     reports = commit.all_gather_obj(report, group)
