@@ -27,11 +27,7 @@ from checkpoint_tools.format import (
     MODEL_PREFIX,
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
     CheckpointReader,
-    CheckpointVersionError,
-    DeepSpeedCheckpointError,
     optim_name,
 )
 from checkpoint_tools.format.root import committed, resolve
@@ -50,22 +46,9 @@ from fsdpx.checkpoint.state import (
     set_rng_state,
     with_masters,
 )
+from fsdpx.checkpoint.vote_errors import error_report, rebuild_error
 from fsdpx.dtensor import to_local
 from fsdpx.ops.shuffle import checkpoint_kernels
-
-_REBUILDABLE: dict[str, type[Exception]] = {
-    c.__name__: c
-    for c in (
-        ValueError,
-        NotImplementedError,
-        CheckpointError,
-        CheckpointNotFoundError,
-        CheckpointCorruptError,
-        CheckpointFormatError,
-        CheckpointVersionError,
-        DeepSpeedCheckpointError,
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -224,51 +207,6 @@ class _Loader:
         return full.to(device)
 
 
-def _rebuild(report: dict[str, Any], rank: int) -> Exception:
-    cls = _REBUILDABLE.get(report["type"])
-    message = report["message"]
-    if cls is None:
-        return CheckpointError(f"loading failed on rank {rank}: {report['type']}: {message}")
-    # Bypass __init__ (CheckpointError's appends file/tensor/offset, already in message).
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, message)
-    exc.__dict__.update(report.get("attrs") or {})
-    return exc
-
-
-def _report(exc: Exception, message: str) -> dict[str, Any]:
-    attrs = {k: v for k, v in vars(exc).items() if v is None or isinstance(v, str | int)}
-    return {"ok": False, "type": type(exc).__name__, "message": message, "attrs": attrs}
-
-
-def _agree_on_save(
-    root: str,
-    path: Path | None,
-    reader: CheckpointReader | None,
-    error: Exception | None,
-    group: dist.ProcessGroup | None,
-) -> None:
-    """Node-local loads, before any state is touched: every rank opened its node's
-    directory, and all found the same save; else every rank raises the same error."""
-    rank, size = commit.world(group)
-    vote = node_local_save.load_vote(path, reader)
-    vote.update({"ok": True} if error is None else _report(error, str(error)))
-    votes = commit.all_gather_obj(vote, group)
-    failed = [(r, v) for r, v in enumerate(votes) if not v["ok"]]
-    if not failed:
-        clash = node_local_save.disagreement(root, votes)
-        if clash is None:
-            return
-        failed = [(0, _report(CheckpointError(clash), clash))]
-    elif size > 1:
-        r, v = failed[0]
-        failed = [(r, {**v, "message": f"{v['message']} (rank {r} of {size}, on {v['host']})"})]
-    if reader is not None:
-        reader.close()
-    r, v = failed[0]
-    raise _rebuild(v, r) from error
-
-
 def _apply(
     loader: _Loader,
     model: nn.Module,
@@ -380,7 +318,7 @@ def load(
     except Exception as exc:
         error = exc
     if node_local:
-        _agree_on_save(str(directory), path, reader, error, group)
+        node_local_save.agree_on_save(str(directory), path, reader, error, group)
     try:
         if error is not None:
             raise error
@@ -417,7 +355,7 @@ def load(
                 " The model/optimizer state is partly overwritten: load another checkpoint "
                 "before training on."
             )
-        report = _report(exc, message)
+        report = error_report(exc, message)
     if partial and report["ok"] and loader is not None:
         report["held"] = loader.held
     reports = commit.all_gather_obj(report, group)
@@ -426,7 +364,7 @@ def load(
         r, rep = failed[0]
         if size > 1:
             rep = {**rep, "message": f"{rep['message']} (rank {r} of {size})"}
-        raise _rebuild(rep, r) from error
+        raise rebuild_error(rep, r) from error
     assert result is not None and loader is not None
     if partial:
         # The same on every rank: each computes it from the same reports.

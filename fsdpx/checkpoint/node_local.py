@@ -56,10 +56,11 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools.format import CheckpointError, write_manifest
+from checkpoint_tools.format import CheckpointError, CheckpointReader, write_manifest
 from checkpoint_tools.format.root import write_latest
 from fsdpx.checkpoint import commit, shared_dir
 from fsdpx.checkpoint.state import merge_optimizer_meta
+from fsdpx.checkpoint.vote_errors import error_report, rebuild_error
 
 if TYPE_CHECKING:
     from fsdpx.checkpoint.saving import SaveOptions, _Plan
@@ -235,7 +236,7 @@ def write_and_commit(
 # --- loading ------------------------------------------------------------------------------
 
 
-def load_vote(path: Path | None, reader: Any) -> dict[str, Any]:
+def load_vote(path: Path | None, reader: CheckpointReader | None) -> dict[str, Any]:
     """What a rank tells the others before a node-local load reads anything: which save it
     found, as a fingerprint of the rank files' random file ids (the same in every node's
     copy of one MANIFEST, different for any other save)."""
@@ -264,3 +265,31 @@ def disagreement(root: str, reports: list[dict[str, Any]]) -> str | None:
         "directories come from different runs. Nothing was loaded; load with tag= naming a "
         "checkpoint every node holds"
     )
+
+
+def agree_on_save(
+    root: str,
+    path: Path | None,
+    reader: CheckpointReader | None,
+    error: Exception | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Node-local loads, before any state is touched: every rank opened its node's
+    directory, and all found the same save; else every rank raises the same error."""
+    rank, size = commit.world(group)
+    vote = load_vote(path, reader)
+    vote.update({"ok": True} if error is None else error_report(error, str(error)))
+    votes = commit.all_gather_obj(vote, group)
+    failed = [(r, v) for r, v in enumerate(votes) if not v["ok"]]
+    if not failed:
+        clash = disagreement(root, votes)
+        if clash is None:
+            return
+        failed = [(0, error_report(CheckpointError(clash), clash))]
+    elif size > 1:
+        r, v = failed[0]
+        failed = [(r, {**v, "message": f"{v['message']} (rank {r} of {size}, on {v['host']})"})]
+    if reader is not None:
+        reader.close()
+    r, v = failed[0]
+    raise rebuild_error(v, r) from error
