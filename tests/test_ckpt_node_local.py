@@ -208,6 +208,23 @@ def test_node_local_loads_an_ordinary_checkpoint(tmp_path: Path) -> None:
     _same(model.state_dict(), saved.state_dict())
 
 
+def test_an_async_node_local_save_of_one_process(tmp_path: Path) -> None:
+    model = node_local_bodies.odd_net(seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    saver = fsdpx.checkpoint.Checkpointer(
+        fsdpx.checkpoint.SaveOptions(node_local=True), async_save=True
+    )
+    saver.save(tmp_path, model=model, optimizer=opt, tag="a")
+    assert saver.close() == tmp_path / "a"
+    with CheckpointReader(tmp_path / "a") as r:
+        assert [n["ranks"] for n in r.state["node_local"]["nodes"]] == [[0]]
+    again = node_local_bodies.odd_net(seed=2)
+    fsdpx.checkpoint.load(tmp_path, again, node_local=True, load_module_only=True)
+    _same(again.state_dict(), model.state_dict())
+
+
 def test_deepspeed_use_node_local_storage_maps_to_node_local() -> None:
     ds = {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": True}}
     assert fsdpx.Config.from_deepspeed(ds, world_size=1).checkpoint.node_local
