@@ -617,6 +617,12 @@ class CheckpointConfig:
     """Threads per rank that shuffle, compress and checksum while saving, and read, check
     and decode while loading, in parallel with the file I/O (the files are byte-identical
     for any count); 0: min(4, CPU count)."""
+    node_local: bool = False
+    """Checkpoint directories on each node's own storage (DeepSpeed's
+    checkpoint.use_node_local_storage): every rank writes its files on its node, each
+    node commits the same MANIFEST, and a load reads each node's part in place; copy
+    every node's directory into one to load it elsewhere ([Note: node-local checkpoints]
+    in fsdpx/checkpoint/node_local.py). False: the directory must be shared by every rank."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.zstd_level <= 22, "checkpoint.zstd_level", self.zstd_level, "in [1, 22]")

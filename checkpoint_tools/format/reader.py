@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkpoint_tools.format import codec
+from checkpoint_tools.format import codec, parts
 from checkpoint_tools.format.coverage import Box, blocks, c_strides, intersect, numel, uncovered
 from checkpoint_tools.format.errors import (
     CheckpointCorruptError,
@@ -60,6 +60,10 @@ class CheckpointReader:
         kernels: shuffle / CRC kernels ([Note: codec injection]); numpy + zlib by default.
         threads: threads that read and decode the whole chunks of one read in parallel
             ([Note: parallel reads]); 1 reads on the calling thread.
+        present_only: read a directory that holds only some ranks' files (one node's
+            part of a node-local checkpoint, FORMAT.md §2.2): the others' files are
+            skipped, and a read whose rectangle is not in the files here raises
+            CheckpointNotFoundError. False: such a directory is refused up front.
 
     Raises:
         CheckpointNotFoundError: no directory or no MANIFEST (an unfinished checkpoint).
@@ -78,6 +82,7 @@ class CheckpointReader:
         *,
         kernels: Kernels | None = None,
         threads: int = 1,
+        present_only: bool = False,
     ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive int; got {threads!r}")
@@ -106,8 +111,18 @@ class CheckpointReader:
         self._data = DataFiles(self.directory)
         self._cache: tuple[tuple[str, int, int], np.ndarray] | None = None
         self._turn = 0
+        missing = parts.missing_files(self.directory, self.rank_files)
+        self.absent_ranks = parts.absent_ranks(self.rank_files, missing)
+        if missing and not present_only:
+            raise CheckpointNotFoundError(
+                parts.missing_message(
+                    self.directory, self.world_size, missing, self.absent_ranks, self.state
+                )
+            )
         grouped: dict[str, list[tuple[torch.dtype, tuple[int, ...], Piece]]] = {}
         for rf in self.rank_files:
+            if rf.rank in self.absent_ranks:
+                continue
             for name, dtype, gshape, piece in self._load_index(rf):
                 grouped.setdefault(name, []).append((dtype, gshape, piece))
         self._meta = {name: self._check_tensor(name, g) for name, g in grouped.items()}
@@ -142,6 +157,8 @@ class CheckpointReader:
                     tensor=name,
                 )
         pieces = tuple(p for _, _, p in group)
+        if self.absent_ranks:  # present_only: each read checks its own rectangle
+            return TensorMeta(name, dtype, shape, pieces)
         try:
             gap = uncovered(shape, [(p.offsets, p.shape) for p in pieces])
         except ValueError as exc:
@@ -324,6 +341,8 @@ class CheckpointReader:
 
     def _fill(self, meta: TensorMeta, want: Box, out: torch.Tensor) -> None:
         """Copy the rectangle `want` of `meta` into `out` (contiguous, shape want[1])."""
+        if self.absent_ranks:
+            parts.check_present(meta, want, self.absent_ranks, self.directory, self.state)
         seen: set[Box] = set()
         for piece in meta.pieces:
             box = (piece.offsets, piece.shape)

@@ -27,15 +27,12 @@ from checkpoint_tools.format import (
     MODEL_PREFIX,
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
     CheckpointReader,
-    CheckpointVersionError,
-    DeepSpeedCheckpointError,
     optim_name,
 )
 from checkpoint_tools.format.root import committed, resolve
 from fsdpx.checkpoint import commit
+from fsdpx.checkpoint import node_local as node_local_save
 from fsdpx.checkpoint.external import (
     ExternalState,
     external_state_owner,
@@ -49,22 +46,9 @@ from fsdpx.checkpoint.state import (
     set_rng_state,
     with_masters,
 )
+from fsdpx.checkpoint.vote_errors import error_report, rebuild_error
 from fsdpx.dtensor import to_local
 from fsdpx.ops.shuffle import checkpoint_kernels
-
-_REBUILDABLE: dict[str, type[Exception]] = {
-    c.__name__: c
-    for c in (
-        ValueError,
-        NotImplementedError,
-        CheckpointError,
-        CheckpointNotFoundError,
-        CheckpointCorruptError,
-        CheckpointFormatError,
-        CheckpointVersionError,
-        DeepSpeedCheckpointError,
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -223,18 +207,6 @@ class _Loader:
         return full.to(device)
 
 
-def _rebuild(report: dict[str, Any], rank: int) -> Exception:
-    cls = _REBUILDABLE.get(report["type"])
-    message = report["message"]
-    if cls is None:
-        return CheckpointError(f"loading failed on rank {rank}: {report['type']}: {message}")
-    # Bypass __init__ (CheckpointError's appends file/tensor/offset, already in message).
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, message)
-    exc.__dict__.update(report.get("attrs") or {})
-    return exc
-
-
 def _apply(
     loader: _Loader,
     model: nn.Module,
@@ -294,6 +266,7 @@ def load(
     group: dist.ProcessGroup | None = None,
     partial: bool = False,
     threads: int = 1,
+    node_local: bool = False,
 ) -> LoadResult:
     """Load a checkpoint written by fsdpx.checkpoint.save (any world size or layout).
 
@@ -310,6 +283,9 @@ def load(
             the ranks together must hold every model tensor of the checkpoint.
         threads: threads per rank that read and decode chunks in parallel
             (`checkpoint.threads`; the engine passes it).
+        node_local: each rank reads `directory` on its own node, which holds only its
+            node's ranks' files (`checkpoint.node_local`; [Note: node-local checkpoints]
+            in node_local.py); every rank must find the same save.
     Returns:
         LoadResult(path, client_state, engine_state).
     Raises:
@@ -333,12 +309,23 @@ def load(
     rng: dict[str, Any] | None = None
     report: dict[str, Any] = {"ok": True}
     error: Exception | None = None
+    reader: CheckpointReader | None = None
     try:
         path = resolve(directory, tag)
+        reader = CheckpointReader(
+            path, kernels=checkpoint_kernels(), threads=threads, present_only=node_local
+        )
+    except Exception as exc:
+        error = exc
+    if node_local:
+        node_local_save.agree_on_save(str(directory), path, reader, error, group)
+    try:
+        if error is not None:
+            raise error
+        assert reader is not None and path is not None
         # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
         # state straight into its swap file); after_load then updates the device copies.
         owner = external_state_owner(model, optimizer)
-        reader = CheckpointReader(path, kernels=checkpoint_kernels(), threads=threads)
         with reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
@@ -368,8 +355,7 @@ def load(
                 " The model/optimizer state is partly overwritten: load another checkpoint "
                 "before training on."
             )
-        attrs = {k: v for k, v in vars(exc).items() if v is None or isinstance(v, str | int)}
-        report = {"ok": False, "type": type(exc).__name__, "message": message, "attrs": attrs}
+        report = error_report(exc, message)
     if partial and report["ok"] and loader is not None:
         report["held"] = loader.held
     reports = commit.all_gather_obj(report, group)
@@ -378,7 +364,7 @@ def load(
         r, rep = failed[0]
         if size > 1:
             rep = {**rep, "message": f"{rep['message']} (rank {r} of {size})"}
-        raise _rebuild(rep, r) from error
+        raise rebuild_error(rep, r) from error
     assert result is not None and loader is not None
     if partial:
         # The same on every rank: each computes it from the same reports.

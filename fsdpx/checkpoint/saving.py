@@ -37,7 +37,7 @@ from torch import nn
 
 from checkpoint_tools.format import CheckpointError, RankWriter, write_manifest
 from checkpoint_tools.format.root import check_tag, read_latest, write_latest
-from fsdpx.checkpoint import commit, shared_dir
+from fsdpx.checkpoint import commit, node_local, shared_dir
 from fsdpx.checkpoint.async_save import BackgroundWriter
 from fsdpx.checkpoint.external import (
     ExternalState,
@@ -75,6 +75,9 @@ class SaveOptions:
     threads: int = 1
     """Threads that shuffle, compress and checksum chunks in parallel; the files are
     byte-identical for any count."""
+    node_local: bool = False
+    """Each node writes its ranks' files on its own storage and commits them there
+    ([Note: node-local checkpoints] in node_local.py); False: one shared directory."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ def _plan(
     plain_writer: bool | None = None,
     partial: bool = False,
     masters: dict[int, Any] | None = None,
+    every_held: bool = False,
 ) -> _Plan:
     if tag is None:
         if engine_state is None or "global_steps" not in engine_state:
@@ -137,7 +141,7 @@ def _plan(
     check_tag(tag)
     if client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"client_state must be a dict; got {type(client_state).__name__}")
-    pieces, optim_meta = collect_pieces(model, optimizer, rank, plain_writer, masters)
+    pieces, optim_meta = collect_pieces(model, optimizer, rank, plain_writer, masters, every_held)
     state = {
         "version": STATE_VERSION,
         "tag": tag,
@@ -195,6 +199,10 @@ def _write_and_commit(
     """Steps 1-3 of [Note: atomic commit]; every rank calls it, with its plan or the error
     that kept it from making one (so peers vote instead of waiting). Rank 0 then calls
     `on_commit(path, bytes on disk)` ([Note: checkpoint events])."""
+    if options.node_local:
+        return node_local.write_and_commit(
+            plan, options, group, on_commit, _write_rank_file, _housekeeping
+        )
     rank, size = commit.world(group)
     error: BaseException | None = plan if isinstance(plan, BaseException) else None
     nonce = commit.new_nonce() if rank == 0 else None
@@ -331,6 +339,7 @@ def save(
         fsdpx.checkpoint.save("ckpts", model, opt, tag="step100", client_state={"epoch": 2})
     """
     rank, _ = commit.world(group)
+    options = options or SaveOptions()
     with external_state_view(external_state_owner(model, optimizer)) as masters:
         try:
             plan: _Plan | BaseException = _plan(
@@ -347,10 +356,11 @@ def save(
                 plain_writer=plain_writer,
                 partial=partial,
                 masters=masters,
+                every_held=options.node_local,
             )
         except Exception as exc:
             plan = exc
-        return _write_and_commit(plan, options or SaveOptions(), group)
+        return _write_and_commit(plan, options, group)
 
 
 def _save_synchronously(owner: object) -> bool:
@@ -394,7 +404,9 @@ class Checkpointer:
         """The checkpointer for `cfg.checkpoint`, with `cfg.timeout_s` on its collectives."""
         c = cfg.checkpoint
         threads = c.threads or min(4, os.cpu_count() or 1)
-        options = SaveOptions(c.compression, c.zstd_level, c.keep_last, threads=threads)
+        options = SaveOptions(
+            c.compression, c.zstd_level, c.keep_last, threads=threads, node_local=c.node_local
+        )
         return cls(options, async_save=c.async_save, timeout_s=cfg.timeout_s)
 
     def group(self) -> dist.ProcessGroup | None:
@@ -464,6 +476,7 @@ class Checkpointer:
                     plain_writer=plain_writer,
                     partial=partial,
                     masters=masters,
+                    every_held=options.node_local,
                 )
             except Exception as exc:
                 # Vote in the foreground so every rank fails now, not at the next wait.
@@ -484,6 +497,7 @@ class Checkpointer:
         waiting for the save in flight (which may be the very checkpoint asked for)."""
         self.wait()
         kwargs.setdefault("threads", self.options.threads)
+        kwargs.setdefault("node_local", self.options.node_local)
         return load(directory, group=self.group(), **kwargs)
 
     def wait(self) -> Path | None:

@@ -122,13 +122,18 @@ def writes_piece(t: torch.Tensor, rank: int, plain_writer: bool | None = None) -
     return all(c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate))
 
 
-def _piece(name: str, t: torch.Tensor, rank: int, plain_writer: bool | None) -> Piece | None:
-    if not writes_piece(t, rank, plain_writer):
+def _piece(
+    name: str, t: torch.Tensor, rank: int, plain_writer: bool | None, every_held: bool
+) -> Piece | None:
+    if every_held:  # [Note: node-local checkpoints]: what this rank holds, even if empty
+        if isinstance(t, DTensor) and t.device_mesh.get_coordinate() is None:
+            return None
+    elif not writes_piece(t, rank, plain_writer):
         return None
     shape, offsets = rectangle(t)
     local = to_local(t).detach()
     assert tuple(local.shape) == shape, f"{name}: {local.shape=} but placement says {shape}"
-    if local.numel() == 0 and t.numel() != 0:
+    if local.numel() == 0 and t.numel() != 0 and not every_held:
         return None  # an empty shard of a non-empty tensor carries nothing
     return Piece(name, local, tuple(t.shape), offsets)
 
@@ -177,6 +182,7 @@ def collect_pieces(
     rank: int,
     plain_writer: bool | None = None,
     masters: dict[int, Any] | None = None,
+    every_held: bool = False,
 ) -> tuple[list[Piece], dict[str, Any] | None]:
     """The pieces this rank writes, and the optimizer's non-tensor state (msgpack-able).
 
@@ -185,6 +191,9 @@ def collect_pieces(
         rank: this rank in the checkpoint's process group.
         plain_writer: whether this rank writes plain (non-DTensor) tensors; None: rank 0.
         masters: from external_state_view: fp32 masters saved in place of parameters.
+        every_held: write every piece this rank holds, replicas, plain tensors and empty
+            shards included, so the files of each node's ranks hold everything those
+            ranks need to load ([Note: node-local checkpoints]); plain_writer is unused.
 
     Returns:
         (pieces, optimizer_meta) where optimizer_meta is None without an optimizer, else
@@ -193,7 +202,7 @@ def collect_pieces(
     """
     pieces = []
     for key, t in with_masters(model, model_tensors(model), masters or {}).items():
-        piece = _piece(MODEL_PREFIX + key, t, rank, plain_writer)
+        piece = _piece(MODEL_PREFIX + key, t, rank, plain_writer, every_held)
         if piece is not None:
             pieces.append(piece)
     if optimizer is None:
@@ -210,7 +219,7 @@ def collect_pieces(
         for k, v in optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 tensor_keys.setdefault(fqn, []).append(k)
-                piece = _piece(optim_name(fqn, k), v, rank, plain_writer)
+                piece = _piece(optim_name(fqn, k), v, rank, plain_writer, every_held)
                 if piece is not None:
                     pieces.append(piece)
             else:

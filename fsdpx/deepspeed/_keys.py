@@ -187,12 +187,25 @@ def _table() -> dict[str, KeyRule]:
             NOT_APPLICABLE,
         ),
         "autotuning": _ignored("settings of DeepSpeed's autotuning launcher", NOT_APPLICABLE),
-        "checkpoint": _ignored(
-            "DeepSpeed's checkpoint options (tag validation, universal loading, writers); "
-            "fsdpx checkpoints are its own format (cfg.checkpoint) and load onto any world "
-            "size and stage",
-            NOT_APPLICABLE,
+        "checkpoint": _section("-> checkpoint (node_local); the rest is DeepSpeed's own format"),
+        "checkpoint.use_node_local_storage": _mapped(
+            "each node writes and reads its ranks' files on its own storage",
+            "checkpoint.node_local",
         ),
+        **{
+            f"checkpoint.{key}": _ignored(
+                f"DeepSpeed's {what}; fsdpx checkpoints are its own format (cfg.checkpoint) "
+                "and load onto any world size and stage",
+                NOT_APPLICABLE,
+            )
+            for key, what in (
+                ("tag_validation", "check that every rank saves the same tag"),
+                ("load_universal", "universal checkpoint loading"),
+                ("checkpoint_serialization", "torch.save serialization switch"),
+                ("parallel_write", "pipeline-stage writers"),
+                ("writer", "checkpoint writer engines"),
+            )
+        },
         "aio": _ignored(
             "tunes DeepSpeed's async I/O library; fsdpx's NVMe I/O is set by the offload config",
             OFFLOAD_TUNING,

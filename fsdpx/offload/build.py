@@ -12,6 +12,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from fsdpx.config import Config, OptimizerConfig
+from fsdpx.dtensor import to_local as local
+from fsdpx.offload.nvme_nodes import check_nvme_nodes
 from fsdpx.offload.optimizer import OffloadedAdamW
 from fsdpx.offload.pin import host_pin
 from fsdpx.offload.plan import OffloadPlan, resolve_offload
@@ -80,6 +82,10 @@ def build_offload(
     if plan.steps_in_place:
         # The parameters are fp32 on the host already: step them in place.
         return OffloadBuild(AdamW(params, decoupled_weight_decay=decoupled, **hyper), None)  # type: ignore[arg-type]
+    if plan.master == "nvme":  # every node's disk, on every rank ([Note: NVMe paths per node])
+        assert plan.optimizer_offload.nvme_path is not None  # OffloadConfig checks it
+        tensors = [t for g in params for t in (g["params"] if isinstance(g, dict) else [g])]
+        check_nvme_nodes(plan.optimizer_offload.nvme_path, sum(local(t).numel() for t in tensors))
     dtype = plan.device_param_dtype
     opt = OffloadedAdamW(
         params,
