@@ -185,7 +185,49 @@ def fsdpx_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         "uninterrupted": full,
         "checkpointed": _checkpointed_run(tmp),
         "precision": precision,
+        "best": _best_model_run(tmp, world_size),
     }
+
+
+def _best_model_run(tmp: str, world_size: int) -> dict[str, Any]:
+    """load_best_model_at_end with the *highest* eval loss as best: step 2's checkpoint
+    (evaluated every 2 steps over 4), so the weights after train() are step 2's, not the
+    last ones."""
+    from transformers import TrainerCallback
+
+    from fsdpx.hf import Trainer
+
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+
+    class AtSave(TrainerCallback):  # type: ignore[misc]
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            saved[state.global_step] = _full_params(kw["model"])
+
+    model = tiny_llama().train()
+    args = training_args(
+        str(Path(tmp) / "best"),
+        world_size,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+    )
+    ds = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=PatternData(),
+        eval_dataset=PatternData(16, seed=1),
+        fsdpx_config=ds,
+        callbacks=[AtSave()],
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    trainer.engine.close()
+    return {"best": Path(best).name, "saved": saved, "params": _full_params(model)}
 
 
 def _checkpointed_run(tmp: str) -> dict[str, Any]:

@@ -89,6 +89,17 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_losses_bitwise(
     _same_weights(out / "final-resumed", out / "final")
 
 
+def test_load_best_model_at_end_loads_the_best_checkpoints_weights(runs: dict[str, Any]) -> None:
+    for rank_result in runs["ours"]:
+        best = rank_result["best"]
+        assert best["best"] == "checkpoint-2"
+        assert sorted(best["saved"]) == [2, 4]
+        for name, value in best["saved"][2].items():
+            torch.testing.assert_close(best["params"][name], value, rtol=0, atol=0, msg=name)
+        # step 4's weights differ, so the comparison above says something
+        assert any(not torch.equal(best["saved"][4][n], v) for n, v in best["saved"][2].items())
+
+
 def _same_weights(got: Path, want: Path) -> None:
     from safetensors.torch import load_file
 
