@@ -190,6 +190,21 @@ def test_trainer_refuses_full_eval_casts(tmp_path: Path, flag: str) -> None:
         Trainer(model=_tiny_model(), args=args)
 
 
+def test_best_model_needs_the_checkpoints_fsdpx_state(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = Trainer(model=_tiny_model(), args=args)
+    trainer.state.best_model_checkpoint = str(tmp_path / "checkpoint-2")  # save_only_model's
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-2 has no fsdpx checkpoint \(fsdpx/\); .*save_only_model=True cannot",
+    ):
+        trainer._load_best_model()
+
+
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"sp": 2}, {"ep": 2}])
 def test_trainer_refuses_meshes_beyond_data_parallel(tmp_path: Path, mesh: dict) -> None:
     from transformers import TrainingArguments

@@ -64,7 +64,7 @@ class CheckpointMixin:
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        assert self.engine is not None and best is not None
+        assert best is not None
         folder = Path(best) / FSDPX_DIR
         if not folder.is_dir():
             raise ValueError(
@@ -72,6 +72,7 @@ class CheckpointMixin:
                 "fsdpx.hf.Trainer loads the best model from it, so save_only_model=True cannot "
                 "be combined with load_best_model_at_end"
             )
+        assert self.engine is not None
         self.engine.load_checkpoint(folder, load_module_only=True)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
