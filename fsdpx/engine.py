@@ -32,7 +32,6 @@ from fsdpx.distributed import guarded
 from fsdpx.export import save_full_model
 from fsdpx.optimizer_step import OptimizerStep, PlainStep
 from fsdpx.parallel_dims import Axis, ParallelDims
-from fsdpx.pipeline_parallel import PipelineRunner
 from fsdpx.precision import LossScaler, autocast_context, grads_have_overflow
 from fsdpx.telemetry.checkpoint_events import report_loaded, saved_reporter
 from fsdpx.telemetry.phases import BACKWARD, FORWARD, OPTIMIZER, next_batch, phase_clock
@@ -40,6 +39,9 @@ from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
 
 if TYPE_CHECKING:
+    # torch.distributed.pipelining pulls in torch._dynamo and sympy (~30 MiB, seconds):
+    # imported only by runs that pipeline (fsdpx/parallelize.py).
+    from fsdpx.pipeline_parallel import PipelineRunner
     from fsdpx.sequence.plan import SequencePlan
     from fsdpx.telemetry.publisher import Publisher
 

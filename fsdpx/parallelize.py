@@ -54,6 +54,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -74,13 +75,15 @@ from fsdpx.moe.plan import apply_moe_plan
 from fsdpx.offload import offload_policy
 from fsdpx.optimizers import EXCHANGING_OPTIMIZERS
 from fsdpx.parallel_dims import Axis, ParallelDims
-from fsdpx.pipeline_parallel import PipelineRunner, build_runner, split_stages
 from fsdpx.pipeline_split import merged_view
 from fsdpx.precision import mp_policy
 from fsdpx.sequence.apply import apply_sequence_parallel
 from fsdpx.tensor_parallel import apply_tensor_parallel, build_plan, check_plan
 from fsdpx.tp_plans import TPPlan
 from fsdpx.zero import apply_zero, stage_plan
+
+if TYPE_CHECKING:
+    from fsdpx.pipeline_parallel import PipelineRunner
 
 
 @dataclass
@@ -176,6 +179,9 @@ def parallelize(
     tp_plan = _tp_plan(model, block_names, cfg=cfg, dims=dims)
     split = None
     if dims.pp > 1:
+        # Lazily: torch.distributed.pipelining imports torch._dynamo and sympy (~30 MiB).
+        from fsdpx.pipeline_parallel import split_stages
+
         split = split_stages(model, block_names, cfg=cfg, dims=dims, mesh=mesh, loss_fn=loss_fn)
     parts = split.parts if split is not None else [model]
 
@@ -212,6 +218,8 @@ def parallelize(
     if split is None:
         return Parallelized(module=model, parts=parts, pipeline=None)
     assert loss_fn is not None  # split_stages checked it
+    from fsdpx.pipeline_parallel import build_runner
+
     runner = build_runner(split, cfg=cfg, dims=dims, mesh=mesh, device=device, loss_fn=loss_fn)
     return Parallelized(module=merged_view(parts), parts=parts, pipeline=runner)
 

@@ -59,7 +59,8 @@ def training_args(out: str, world: int, **kw: Any) -> Any:
 PARITY_CASES: list[dict[str, Any]] = [
     {
         "name": "zero2-linear-trainer-optimizer",
-        "args": {"lr_scheduler_type": "linear"},
+        # eval_accumulation_steps: predictions leave the ranks every step (gathered, in order)
+        "args": {"lr_scheduler_type": "linear", "eval_accumulation_steps": 1},
         "ds": {
             "zero_optimization": {"stage": 2},
             "train_micro_batch_size_per_gpu": "auto",
@@ -97,8 +98,13 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def stock_reference(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]]:
-    """Plain transformers.Trainer, one process, each parity case."""
+def _predictions(trainer: Any) -> torch.Tensor:
+    return torch.as_tensor(trainer.predict(PatternData(16, seed=1)).predictions)
+
+
+def stock_reference(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Plain transformers.Trainer, one process, each parity case; and fsdpx.hf.Trainer on
+    this one process in bf16 and fp16 (the single-process reference of those modes)."""
     from transformers import Trainer
 
     results = []
@@ -109,9 +115,42 @@ def stock_reference(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]
         trainer.train()
         eval_loss = trainer.evaluate(PatternData(16, seed=1))["eval_loss"]
         results.append(
-            {"losses": _losses(trainer), "params": _full_params(model), "eval_loss": eval_loss}
+            {
+                "losses": _losses(trainer),
+                "params": _full_params(model),
+                "eval_loss": eval_loss,
+                "predictions": _predictions(trainer),
+            }
         )
-    return results
+    precision = {d: _precision_run(tmp, world_size, d) for d in ("bf16", "fp16")}
+    return {"parity": results, "precision": precision}
+
+
+def _precision_run(tmp: str, world_size: int, dtype: str) -> dict[str, Any]:
+    """The first parity case with bf16=True / fp16=True and the JSON's section "auto": the
+    dtype the blocks compute in, the masters' dtype, losses, parameters, loss scale."""
+    from fsdpx.hf import Trainer
+
+    case = PARITY_CASES[0]
+    model = tiny_llama().train()
+    seen: set[str] = set()
+    model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda module, inputs, out: seen.add(str(out.dtype))
+    )
+    ds = {**case["ds"], dtype: {"enabled": "auto"}}
+    args = training_args(str(Path(tmp) / dtype), world_size, **{dtype: True}, **case["args"])
+    trainer = Trainer(model=model, args=args, train_dataset=PatternData(), fsdpx_config=ds)
+    trainer.train()
+    result = {
+        "losses": _losses(trainer),
+        "params": _full_params(model),
+        "compute": sorted(seen),
+        "masters": sorted({str(p.dtype) for p in model.parameters()}),
+        "loss_scale": float(trainer.engine.loss_scaler.scale),
+        "skipped": trainer.engine.skipped_steps,
+    }
+    trainer.engine.close()
+    return result
 
 
 def fsdpx_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
@@ -135,11 +174,60 @@ def fsdpx_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                 "params": _full_params(model),
                 "grad_norms": grad_norms,
                 "eval_loss": eval_loss,
+                "predictions": _predictions(trainer),
             }
         )
         trainer.engine.close()
     full = _resume_run(Path(tmp) / "resume", world_size, resume=False)
-    return {"parity": parity, "uninterrupted": full, "checkpointed": _checkpointed_run(tmp)}
+    precision = {d: _precision_run(tmp, world_size, d) for d in ("bf16", "fp16")}
+    return {
+        "parity": parity,
+        "uninterrupted": full,
+        "checkpointed": _checkpointed_run(tmp),
+        "precision": precision,
+        "best": _best_model_run(tmp, world_size),
+    }
+
+
+def _best_model_run(tmp: str, world_size: int) -> dict[str, Any]:
+    """load_best_model_at_end with the *highest* eval loss as best: step 2's checkpoint
+    (evaluated every 2 steps over 4), so the weights after train() are step 2's, not the
+    last ones."""
+    from transformers import TrainerCallback
+
+    from fsdpx.hf import Trainer
+
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+
+    class AtSave(TrainerCallback):  # type: ignore[misc]
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            saved[state.global_step] = _full_params(kw["model"])
+
+    model = tiny_llama().train()
+    args = training_args(
+        str(Path(tmp) / "best"),
+        world_size,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+    )
+    ds = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=PatternData(),
+        eval_dataset=PatternData(16, seed=1),
+        fsdpx_config=ds,
+        callbacks=[AtSave()],
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    trainer.engine.close()
+    return {"best": Path(best).name, "saved": saved, "params": _full_params(model)}
 
 
 def _checkpointed_run(tmp: str) -> dict[str, Any]:
@@ -175,6 +263,7 @@ def _resume_run(out: Path, world_size: int, *, resume: bool) -> dict[str, Any]:
         model=tiny_llama().train(), args=args, train_dataset=PatternData(), fsdpx_config=ds
     )
     trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.save_model(str(out / ("final-resumed" if resume else "final")))
     return {"log": [h for h in trainer.state.log_history if "loss" in h]}
 
 

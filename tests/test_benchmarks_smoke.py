@@ -179,3 +179,24 @@ def test_moe_script_runs() -> None:
         losses.append(float(cells[-1]))
     assert max(losses) - min(losses) <= 2e-3, losses  # same model and batches
     _line(r"(  torch\._grouped_mm .*|torch\._grouped_mm: not usable.*)", out)
+
+
+HF_LOAD = (
+    rf"ratio load: rss/model={NUM} \(goal <= 0\.6\) rss/fsdp2={NUM} \(goal <= 0\.5\) "
+    rf"time/fsdp2={NUM} \(goal <= 1\.0\) logits max diff \S+"
+)
+
+
+def test_hf_benchmark_loading_runs() -> None:
+    pytest.importorskip("transformers")
+    out = _run(["hf.py", "--tiny", "--part", "load"])
+    _line(HF_LOAD, out)
+
+
+@pytest.mark.slow
+def test_hf_benchmark_trainer_step_runs() -> None:
+    """The Trainer part: two more 2-rank launches of transformers (the loading part above
+    is its default-tier twin, the same launcher and result collection)."""
+    pytest.importorskip("transformers")
+    out = _run(["hf.py", "--tiny", "--part", "trainer"])
+    _line(rf"ratio trainer step fsdpx/fsdp2={NUM} \(goal <= 1\.05\) last loss diff \S+", out)

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from fsdpx.config import Config
-from fsdpx.hf.trainer_config import check_native, fill_deepspeed, resolve_source
+from fsdpx.config import Config, PrecisionConfig
+from fsdpx.hf.trainer_config import check_native, default_config, fill_deepspeed, resolve_source
 
 
 def _args(**kw: Any) -> SimpleNamespace:
@@ -131,13 +131,43 @@ def test_a_native_config_must_agree_with_the_arguments() -> None:
         check_native(cfg, _args(), "<Config>")
 
 
-@pytest.mark.parametrize("mesh", [{"tp": 2}, {"sp": 2}, {"ep": 2}])
-def test_trainer_refuses_meshes_beyond_data_parallel(tmp_path: Path, mesh: dict) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+def test_without_a_config_bf16_and_fp16_arguments_set_the_precision() -> None:
+    assert default_config(_args()).precision == PrecisionConfig()
+    assert default_config(_args(bf16=True)).precision == PrecisionConfig("bf16", "fp32")
+    fp16 = default_config(_args(fp16=True, max_grad_norm=0.5))
+    assert fp16.precision == PrecisionConfig("fp16", "fp32")
+    assert (fp16.train_micro_batch_size_per_gpu, fp16.gradient_clipping) == (8, 0.5)
 
-    from fsdpx.hf import Trainer
 
-    model = LlamaForCausalLM(
+def test_a_native_config_must_compute_in_the_arguments_dtype() -> None:
+    cfg = Config.from_dict(
+        {
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0,
+        }
+    )
+    check_native(cfg, _args(), "<Config>")
+    with pytest.raises(
+        ValueError,
+        match=r"- fsdpx precision \(compute dtype\)=fp32 vs hf bf16/fp16 \(compute dtype\)=bf16",
+    ):
+        check_native(cfg, _args(bf16=True), "<Config>")
+    autocast = Config.from_dict(
+        {
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0,
+            "precision": {"autocast": "bf16"},
+        }
+    )
+    check_native(autocast, _args(bf16=True), "<Config>")  # autocast computes in bf16
+
+
+def _tiny_model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
         LlamaConfig(
             vocab_size=32,
             hidden_size=16,
@@ -147,6 +177,41 @@ def test_trainer_refuses_meshes_beyond_data_parallel(tmp_path: Path, mesh: dict)
             num_key_value_heads=1,
         )
     )
+
+
+@pytest.mark.parametrize("flag", ["bf16_full_eval", "fp16_full_eval"])
+def test_trainer_refuses_full_eval_casts(tmp_path: Path, flag: str) -> None:
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **{flag: True})
+    with pytest.raises(ValueError, match=r"bf16_full_eval / fp16_full_eval would cast the sharded"):
+        Trainer(model=_tiny_model(), args=args)
+
+
+def test_best_model_needs_the_checkpoints_fsdpx_state(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = Trainer(model=_tiny_model(), args=args)
+    trainer.state.best_model_checkpoint = str(tmp_path / "checkpoint-2")  # save_only_model's
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-2 has no fsdpx checkpoint \(fsdpx/\); .*save_only_model=True cannot",
+    ):
+        trainer._load_best_model()
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"sp": 2}, {"ep": 2}])
+def test_trainer_refuses_meshes_beyond_data_parallel(tmp_path: Path, mesh: dict) -> None:
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+
+    model = _tiny_model()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(NotImplementedError, match=r"runs data-parallel meshes only .*mesh\.sp="):
         Trainer(

@@ -56,8 +56,11 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
 def _build_on_meta(model_class: Any, config: Any, dtype: torch.dtype | None) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import PreTrainedModel
+    from transformers.initialization import no_init_weights
 
-    with init_empty_weights(include_buffers=False), _default_dtype(dtype):
+    # no_init_weights: transformers' init_weights on meta parameters is pure overhead
+    # (~0.5 s for a 16-layer Llama); buffers computed in __init__ stay real.
+    with init_empty_weights(include_buffers=False), no_init_weights(), _default_dtype(dtype):
         if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
             model = model_class(config)
         else:  # an Auto class
@@ -170,9 +173,7 @@ def from_pretrained(
             if first in match.source
             for alias in names
         }
-        engine = fsdpx.shard(
-            model, cfg, init_fn=lambda part: _load_part(part, files, sources), **shard_kwargs
-        )
+        engine = fsdpx.shard(model, cfg, init_fn=_CoveringLoad(files, sources), **shard_kwargs)
         info = {
             "missing_keys": match.missing,
             "unexpected_keys": match.unexpected,
@@ -207,6 +208,23 @@ def _check_shapes(
                 f"{files.where[key].path}: tensor {key!r} is {info.dtype}, but "
                 f"{type(model).__name__}.{first} is {tensor.dtype}: a dtype that does not match"
             )
+
+
+class _CoveringLoad:
+    """The init_fn: `_load_part`, declared to write every meta tensor (`writes_every_meta_
+    tensor`), so `fsdpx.shard` skips its sentinel fill and check ([Note: meta buffers]): the
+    checks above (every parameter has a checkpoint tensor of its shape; buffers are built
+    real) and `_load_tensor` (reads exactly the local shard's elements) already guarantee
+    it, and the fill and check were two passes over every shard (~40% of the load's time
+    on the 1 GB benchmark)."""
+
+    writes_every_meta_tensor = True
+
+    def __init__(self, files: CheckpointFiles, sources: dict[str, str]) -> None:
+        self.files, self.sources = files, sources
+
+    def __call__(self, part: nn.Module) -> None:
+        _load_part(part, self.files, self.sources)
 
 
 def _load_part(part: nn.Module, files: CheckpointFiles, sources: dict[str, str]) -> None:

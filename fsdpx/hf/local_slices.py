@@ -56,6 +56,8 @@ def local_index_lists(tensor: torch.Tensor) -> list[list[int]]:
 
 def _consecutive(indices: list[int]) -> list[tuple[int, int]]:
     """[3, 4, 5, 9, 10] -> [(3, 3), (9, 2)]: (first, length) of each consecutive stretch."""
+    if indices and indices == list(range(indices[0], indices[0] + len(indices))):
+        return [(indices[0], len(indices))]  # a dim-0 shard: one run, compared in C
     runs: list[tuple[int, int]] = []
     for i in indices:
         if runs and runs[-1][0] + runs[-1][1] == i:

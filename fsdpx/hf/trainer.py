@@ -23,11 +23,23 @@ logging, callbacks, evaluation, `trainer_state.json`, checkpoint rotation):
   `step` does that and `self.lr_scheduler` a view whose `step` does nothing (the engine
   stepped it, and did not on a skipped step, as DeepSpeed). The gradient norm the Trainer
   logs is the engine's, filled in at the step.
-- Checkpoints: `checkpoint-N/` holds the model in Hugging Face layout (`save_model`), the
-  fsdpx checkpoint in `checkpoint-N/fsdpx/` (model, optimizer, scheduler, loss scaler,
-  every rank's RNG, the TrainingArguments as JSON; no pickle, DESIGN.md clarification 14)
-  and the Trainer's own `trainer_state.json`. Resuming loads the fsdpx checkpoint (any
-  world size) and re-applies its RNG state where the Trainer restores RNG.
+- Checkpoints: `checkpoint-N/` holds the fsdpx checkpoint in `checkpoint-N/fsdpx/` (model,
+  optimizer, scheduler, loss scaler, every rank's RNG, the TrainingArguments as JSON; no
+  pickle, DESIGN.md clarification 14), the model's `config.json` /
+  `generation_config.json` / tokenizer, and the Trainer's own `trainer_state.json`.
+  Resuming loads the fsdpx checkpoint (any world size) and re-applies its RNG state where
+  the Trainer restores RNG; `load_best_model_at_end` loads the best one's model part
+  (fsdpx/hf/trainer_checkpoint.py, [Note: weights once per checkpoint]).
+
+[Note: Trainer precision] The engine owns the precision, as DeepSpeed's does under the
+Trainer (accelerate switches its autocast off for DeepSpeed): a DeepSpeed JSON's bf16 /
+fp16 sections pair with `bf16=` / `fp16=` ([Note: auto values]); without fsdpx_config,
+`bf16=True` / `fp16=True` give parameters gathered in that dtype over fp32 masters with
+fp32 gradient reduction (and fp16's dynamic loss scaling); a native config's compute dtype
+must equal the arguments'. The Trainer's own autocast is replaced by the engine's
+(`precision.autocast`), so forward runs exactly as `engine(...)` would.
+`bf16_full_eval` / `fp16_full_eval` are refused: the Trainer casts the model in place for
+them, which would cast the sharded fp32 masters.
 
 `activation_checkpointing=True` (the former `gradient_checkpointing`) is fsdpx's
 activation checkpointing of the model's blocks (every `every_n_layers`-th), not
@@ -39,10 +51,9 @@ Data loaders split batches over every rank, so the mesh must be data-parallel on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,15 +61,13 @@ import transformers
 from torch import nn
 
 import fsdpx
-from fsdpx.checkpoint.state import rng_state, set_rng_state
 from fsdpx.config import ActivationCheckpointConfig, Config
 from fsdpx.engine import Engine
-from fsdpx.hf.trainer_config import check_native, fill_deepspeed, resolve_source
+from fsdpx.hf.trainer_checkpoint import CheckpointMixin
+from fsdpx.hf.trainer_config import check_native, default_config, fill_deepspeed, resolve_source
+from fsdpx.precision import autocast_context
 
 __all__ = ["Trainer"]
-
-FSDPX_DIR = "fsdpx"
-"""The fsdpx checkpoint's folder inside the Trainer's checkpoint-N folder."""
 
 
 class _EngineOptimizer:
@@ -101,7 +110,7 @@ class _EngineSteppedScheduler:
         return getattr(self._scheduler, name)
 
 
-class Trainer(transformers.Trainer):  # type: ignore[misc]
+class Trainer(CheckpointMixin, transformers.Trainer):  # type: ignore[misc]
     """`transformers.Trainer` on fsdpx. Takes everything `Trainer` takes plus
     `fsdpx_config=`: an `fsdpx.Config`, a dict, or a path to a native config or to a
     DeepSpeed JSON (the file `--deepspeed` takes; "auto" values are filled from the
@@ -123,6 +132,12 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
         self.engine: Engine | None = None
         self._grad_norm_slot: torch.Tensor | None = None
         self._rng_after_load: dict[str, Any] | None = None
+        if self.args.bf16_full_eval or self.args.fp16_full_eval:
+            raise ValueError(
+                "fsdpx.hf.Trainer evaluates in the engine's precision; bf16_full_eval / "
+                "fp16_full_eval would cast the sharded fp32 master weights in place. Drop them "
+                "and set bf16=True / fp16=True (or the config's bf16 / fp16 section)"
+            )
         if self.args.lr_scheduler_type == "reduce_lr_on_plateau" and not source.has_scheduler:
             raise ValueError(
                 "lr_scheduler_type='reduce_lr_on_plateau' steps on evaluation metrics, which "
@@ -144,13 +159,7 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
     def _fsdpx_config(self, max_steps: int | None) -> Config:
         source, world = self._fsdpx_source, self.args.world_size
         if source.native is None and source.deepspeed is None:
-            cfg = Config.from_dict(
-                {
-                    "train_micro_batch_size_per_gpu": self.args.per_device_train_batch_size,
-                    "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-                    "gradient_clipping": float(self.args.max_grad_norm),
-                }
-            )
+            cfg = default_config(self.args)
         elif source.native is None:
             assert source.deepspeed is not None
             data = fill_deepspeed(source.deepspeed, self.args, world, max_steps, source.name)
@@ -302,48 +311,10 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         return grad_norm  # None when clipping is off: the engine computes no norm then
 
-    # --- saving and loading --------------------------------------------------------------
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The model in Hugging Face layout (every rank takes part; rank 0 writes)."""
-        out = str(output_dir if output_dir is not None else self.args.output_dir)
-        if self.engine is not None:
-            self.engine.save_pretrained(out)
-        elif self.args.should_save:
-            self._hf_model.save_pretrained(out)
-        if self.processing_class is not None and self.args.should_save:
-            self.processing_class.save_pretrained(out)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        assert self.engine is not None
-        args = json.loads(self.args.to_json_string())
-        self.engine.save_checkpoint(
-            Path(output_dir) / FSDPX_DIR, client_state={"training_args": args}
-        )
-
-    def _save_scaler(self, output_dir: str) -> None:
-        return None  # the loss scaler is in the fsdpx checkpoint
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        return None  # every rank's RNG states are in the fsdpx checkpoint
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        return None  # the fsdpx checkpoint restores the model once it is sharded
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
-        assert self.engine is not None
-        folder = Path(checkpoint) / FSDPX_DIR
-        # A checkpoint-N without fsdpx state: load_checkpoint names what is there
-        # (DeepSpeed's folders raise its DeepSpeedCheckpointError).
-        self.engine.load_checkpoint(folder if folder.is_dir() else checkpoint)
-        self._rng_after_load = rng_state()
-
-    def _load_scaler(self, checkpoint: str | None) -> None:
-        return None
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        # The Trainer restores RNG after skipping the batches already trained on.
-        if checkpoint is not None and self._rng_after_load is not None:
-            set_rng_state(self._rng_after_load)
+    def autocast_smart_context_manager(
+        self, cache_enabled: bool | None = True
+    ) -> contextlib.AbstractContextManager[Any]:
+        # The engine's precision, not the accelerator's autocast ([Note: Trainer precision]).
+        if self.engine is None:
+            return contextlib.nullcontext()
+        return autocast_context(self.engine.config.precision.autocast, self.engine.device)

@@ -37,7 +37,7 @@ from fsdpx.config import Config
 from fsdpx.deepspeed._json import load_deepspeed_config
 from fsdpx.deepspeed._keys import DS_KEYS
 
-__all__ = ["ConfigSource", "resolve_source"]
+__all__ = ["ConfigSource", "check_native", "default_config", "fill_deepspeed", "resolve_source"]
 
 _NATIVE_TOP = {f.name for f in dataclasses.fields(Config)}
 _DS_TOP = {key.split(".", 1)[0] for key in DS_KEYS}
@@ -179,8 +179,32 @@ def fill_deepspeed(
     return out
 
 
+def default_config(args: Any) -> Config:
+    """No fsdpx_config: fsdpx's defaults (ZeRO-3) with the arguments' batch size,
+    accumulation, clipping and precision ([Note: Trainer precision])."""
+    precision = {"param_dtype": _args_dtype(args), "reduce_dtype": "fp32"}
+    return Config.from_dict(
+        {
+            "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "gradient_clipping": float(args.max_grad_norm),
+            "precision": precision,
+        }
+    )
+
+
+def _args_dtype(args: Any) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
+def _config_dtype(cfg: Config) -> str:
+    """The compute dtype a config gives: bf16 autocast computes in bf16 too."""
+    return "bf16" if cfg.precision.autocast == "bf16" else cfg.precision.param_dtype
+
+
 def check_native(cfg: Config, args: Any, name: str) -> None:
-    """A native config's batch, accumulation and clipping must be the arguments'."""
+    """A native config's batch, accumulation, clipping and compute dtype must be the
+    arguments'."""
     pairs = [
         (
             "train_micro_batch_size_per_gpu",
@@ -195,6 +219,12 @@ def check_native(cfg: Config, args: Any, name: str) -> None:
             args.gradient_accumulation_steps,
         ),
         ("gradient_clipping", cfg.gradient_clipping, "max_grad_norm", args.max_grad_norm),
+        (
+            "precision (compute dtype)",
+            _config_dtype(cfg),
+            "bf16/fp16 (compute dtype)",
+            _args_dtype(args),
+        ),
     ]
     bad = [f"- fsdpx {a}={v} vs hf {b}={w}" for a, v, b, w in pairs if v != w]
     if bad:
