@@ -168,7 +168,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self._attached = True
 
     def _backward_hook(self, reduce_output: torch.Tensor) -> None:
-        self._restore_schedule()
+        # self.schedule is current: step() and both loads re-read it from the state.
         if self.world_size > 1 and self.variance_step(self.schedule["step"] + 1):
             counted.all_reduce(reduce_output, self.group)
             reduce_output.div_(self.world_size)
@@ -304,7 +304,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
         return out
 
     def load_rank_local_state(self, found: dict[str, torch.Tensor]) -> None:
-        """Restore what rank_local_state returned; empty: the feedback restarts at zero."""
+        """Restore what rank_local_state returned; empty: the feedback restarts at zero.
+        The engine's loader calls it after setting the state, so the schedule is re-read."""
+        self._restore_schedule()
         self._errors.clear()
         for i, p in enumerate(_params(self)):
             state = OneBitState.from_dict(found, f"{i}/", to_local(p).device)
@@ -313,6 +315,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._restore_schedule()
         self._errors.clear()  # per-rank error feedback restarts at zero (module docstring)
 
 
