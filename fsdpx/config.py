@@ -260,8 +260,10 @@ class OptimizerConfig:
     bias_correction: bool = True
     """adam/adamw: false drops Adam's bias correction (DeepSpeed's FusedAdam
     ``bias_correction=False``: step size lr, denominator sqrt(v) + eps). torch.optim has no
-    such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead. onebit_adam: false uses m and
-    the frozen v as they are (what DeepSpeed's OnebitAdam did whatever its flag said)."""
+    such option, so fsdpx.optim.AdamW (the fused adam_step) is built instead. onebit_adam,
+    zero_one_adam: false uses m and the frozen v as they are (what DeepSpeed's OnebitAdam and
+    ZeroOneAdam did whatever their flag said); onebit_lamb must say false (uncorrected, as
+    DeepSpeed's OnebitLamb)."""
     max_coeff: float = 10.0
     """lamb only: upper clamp of the trust ratio ||p|| / ||update|| (DeepSpeed's default)."""
     min_coeff: float = 0.01
@@ -884,10 +886,10 @@ def _check_onebit(cfg: Config) -> None:
     )
     for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
         _check(getattr(o, name) >= 1, f"optimizer.{name}", getattr(o, name), "an integer >= 1")
-    if o.type in ("zero_one_adam", "onebit_lamb") and o.bias_correction:
+    if o.type == "onebit_lamb" and o.bias_correction:
         raise ValueError(
-            f"optimizer.type {o.type!r} has no bias correction (DeepSpeed's ZeroOneAdam and "
-            "OnebitLamb never applied it); set optimizer.bias_correction = false"
+            f"optimizer.type {o.type!r} has no bias correction (DeepSpeed's OnebitLamb never "
+            "applied it); set optimizer.bias_correction = false"
         )
     _check(
         0 <= o.coeff_beta < 1 and 0 < o.factor_min <= o.factor_max and o.factor_threshold >= 0,

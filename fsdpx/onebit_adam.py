@@ -33,8 +33,11 @@ the update would be scale / eps: an explosion. DeepSpeed asked users for an
 ``exp_avg_mask``; fsdpx derives it: momentum elements whose frozen variance is exactly 0
 are zeroed after each exchange (every rank has the same variance, so the same mask).
 
-The error buffers are per rank and are not in the state dict: after a load they restart at
-zero (as DeepSpeed's OnebitAdam reset them on load), which costs one step of compensation.
+The error buffers are per rank and are not in the state dict: engine checkpoints keep each
+rank's own ([Note: per-rank optimizer state] in fsdpx/checkpoint/state.py), so a resume at the
+same world size continues exactly; at another world size, and after torch's
+`load_state_dict`, they restart at zero (as DeepSpeed's OnebitAdam reset them on every load),
+which costs one step of compensation.
 """
 
 from __future__ import annotations
@@ -205,6 +208,23 @@ class OneBitAdam(torch.optim.Optimizer):
                     update.add_(local, alpha=group["weight_decay"])
                 local.add_(update, alpha=-group["lr"])
         return loss
+
+    def rank_local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback buffers, by parameter index ([Note: per-rank optimizer
+        state] in fsdpx/checkpoint/state.py)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            if p in self._errors:
+                out.update(self._errors[p].as_dict(f"{i}/"))
+        return out
+
+    def load_rank_local_state(self, found: dict[str, torch.Tensor]) -> None:
+        """Restore what rank_local_state returned; empty: the feedback restarts at zero."""
+        self._errors.clear()
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            state = OneBitState.from_dict(found, f"{i}/", to_local(p).device)
+            if state is not None:
+                self._errors[p] = state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

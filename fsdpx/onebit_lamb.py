@@ -23,7 +23,10 @@ correction (its `bias_correction` argument is never read). Differences, each del
 whose frozen variance is exactly 0 are zeroed after each exchange ([Note: zero-variance mask]
 in fsdpx/onebit_adam.py; DeepSpeed asked for `exp_avg_mask`); a parameter whose momentum is
 all zero at the freeze gets scaling coefficient 1 (DeepSpeed divided by zero); the error
-buffers are per rank, not in the state dict, and restart at zero after a load.
+buffers are per rank, not in the state dict: engine checkpoints keep each rank's own
+([Note: per-rank optimizer state] in fsdpx/checkpoint/state.py), so a resume at the same
+world size continues exactly; at another world size and after `load_state_dict` they
+restart at zero (as DeepSpeed's did on every load).
 """
 
 from __future__ import annotations
@@ -160,9 +163,10 @@ class OneBitLamb(torch.optim.Optimizer):
                     state["step"] = 0
                     state["lamb_coeff_freeze"] = 0.0
                     state["last_factor"] = 1.0
-                    state["exp_avg"] = torch.zeros_like(local)
-                    state["exp_avg_sq"] = torch.zeros_like(local)
-                    state["exp_avg_sq_fresh"] = torch.zeros_like(local)
+                    # Like the parameter (a DTensor replica under fsdpx.shard), so
+                    # checkpoints save and load the state with the parameter's layout.
+                    for key in ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"):
+                        state[key] = torch.zeros_like(p)
                 out.append((group, p, local))
         return out
 
@@ -189,12 +193,12 @@ class OneBitLamb(torch.optim.Optimizer):
         self, group: dict[str, Any], state: dict[str, Any], g: torch.Tensor, p: torch.Tensor
     ) -> None:
         beta1, beta2 = group["betas"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m, v = to_local(state["exp_avg"]), to_local(state["exp_avg_sq"])
         state["step"] += 1
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         if state["step"] == self.freeze_step:
-            state["exp_avg_sq_fresh"].copy_(v)
+            to_local(state["exp_avg_sq_fresh"]).copy_(v)
         update = m / (v.sqrt() + group["eps"])
         if group["weight_decay"] > 0:
             update.add_(p, alpha=group["weight_decay"])
@@ -212,30 +216,30 @@ class OneBitLamb(torch.optim.Optimizer):
         self, items: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]
     ) -> None:
         states = [self.state[p] for _, p, _ in items]
+        moms = [to_local(s["exp_avg"]) for s in states]
         if states and "scaling_coeff" not in states[0]:
-            rms = [float(s["exp_avg"].norm()) / math.sqrt(s["exp_avg"].numel()) for s in states]
+            rms = [float(m.norm()) / math.sqrt(m.numel()) for m in moms]
             united = sum(rms) / len(rms)
             for s, r in zip(states, rms, strict=True):
                 s["scaling_coeff"] = united / r if r > 0 else 1.0
-        last = [s["exp_avg"].clone() for s in states]
-        for (group, p, _), s in zip(items, states, strict=True):
+        last = [m.clone() for m in moms]
+        for (group, p, _), s, m in zip(items, states, moms, strict=True):
             beta1 = group["betas"][0]
             s["step"] += 1
-            s["exp_avg"].mul_(beta1).add_(_grad(p).float(), alpha=1 - beta1)
-            s["exp_avg"].mul_(s["scaling_coeff"])
+            m.mul_(beta1).add_(_grad(p).float(), alpha=1 - beta1)
+            m.mul_(s["scaling_coeff"])
         if self.world_size > 1 and states:
-            flat = torch.cat([s["exp_avg"].reshape(-1) for s in states])
+            flat = torch.cat([m.reshape(-1) for m in moms])
             if self._error is None:
                 self._error = OneBitState.zeros(flat.numel(), self.world_size, flat.device)
             compressed_all_reduce(flat, self._error, self.group)
             offset = 0
-            for s in states:
-                n = s["exp_avg"].numel()
-                s["exp_avg"].copy_(flat[offset : offset + n].view_as(s["exp_avg"]))
-                offset += n
-        for (group, _, p), s, m_last in zip(items, states, last, strict=True):
+            for m in moms:
+                m.copy_(flat[offset : offset + m.numel()].view_as(m))
+                offset += m.numel()
+        for (group, _, p), s, m, m_last in zip(items, states, moms, last, strict=True):
             beta1, beta2 = group["betas"]
-            m, v, fresh = s["exp_avg"], s["exp_avg_sq"], s["exp_avg_sq_fresh"]
+            v, fresh = to_local(s["exp_avg_sq"]), to_local(s["exp_avg_sq_fresh"])
             m.div_(s["scaling_coeff"])
             m.masked_fill_(v == 0, 0.0)  # [Note: zero-variance mask] in fsdpx/onebit_adam.py
             grad = (m - m_last * beta1) / (1 - beta1)
@@ -256,6 +260,16 @@ class OneBitLamb(torch.optim.Optimizer):
             coeff = s["lamb_coeff_freeze"] * factor
             self.lamb_coeffs.append(coeff)
             p.add_(update, alpha=-group["lr"] * coeff)
+
+    def rank_local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback buffers ([Note: per-rank optimizer state] in
+        fsdpx/checkpoint/state.py)."""
+        return {} if self._error is None else self._error.as_dict()
+
+    def load_rank_local_state(self, found: dict[str, torch.Tensor]) -> None:
+        """Restore what rank_local_state returned; empty: the feedback restarts at zero."""
+        device = to_local(self.param_groups[0]["params"][0]).device
+        self._error = OneBitState.from_dict(found, "", device)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

@@ -127,6 +127,7 @@ def _build_zero_one_adam(params: ParamsOrGroups, cfg: OptimizerConfig) -> torch.
         betas=cfg.betas,
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
+        bias_correction=cfg.bias_correction,
         var_freeze_step=cfg.var_freeze_step,
         var_update_scaler=cfg.var_update_scaler,
         local_step_scaler=cfg.local_step_scaler,

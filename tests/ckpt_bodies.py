@@ -55,7 +55,9 @@ def odd_net(seed: int = 0) -> OddNet:
 def full_state(engine: fsdpx.Engine) -> dict[str, torch.Tensor]:
     """Every tensor a checkpoint holds, gathered to full tensors (collective)."""
 
-    def full(t: torch.Tensor) -> torch.Tensor:
+    def full(t: Any) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):  # a scalar state value (0/1 Adam's schedule)
+            return torch.tensor(t)
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
     out = {f"model/{k}": full(v) for k, v in model_tensors(engine.module).items()}

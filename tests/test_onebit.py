@@ -294,8 +294,8 @@ def _resume_body(rank: int, world: int, root: str) -> dict[str, Any]:
     assert isinstance(resumed.optimizer, OneBitAdam) and not resumed.optimizer.compressing
     run(resumed, data[1:])  # one more warmup step, then two compressed ones
     assert resumed.optimizer.compressing
-    # After a load inside the compressed phase the error buffers restart at zero (as
-    # DeepSpeed's did); the loaded moments are still exact.
+    # A load inside the compressed phase brings back the moments exactly (and each rank's
+    # error buffers: tests/test_resume_optimizers.py checks the run that follows).
     resumed.save_checkpoint(root)
     again = fsdpx.shard(make_model(seed=6), cfg)
     again.load_checkpoint(root)

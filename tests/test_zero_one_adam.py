@@ -49,9 +49,11 @@ def _grads(world: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def _opt_body(rank: int, world: int) -> dict[str, Any]:
+def _opt_body(rank: int, world: int, bias_correction: bool) -> dict[str, Any]:
     p = torch.nn.Parameter(torch.linspace(-1, 1, math.prod(SHAPE)).view(SHAPE))
-    opt = ZeroOneAdam([p], lr=LR, weight_decay=WD, eps=EPS, **SCHED)  # type: ignore[arg-type]
+    opt = ZeroOneAdam(
+        [p], lr=LR, weight_decay=WD, eps=EPS, bias_correction=bias_correction, **SCHED
+    )  # type: ignore[arg-type]
     kinds = []
     for grads in _grads(world):
         p.grad = grads[rank].clone()
@@ -61,13 +63,16 @@ def _opt_body(rank: int, world: int) -> dict[str, Any]:
     return {"param": p.detach(), "kinds": kinds}
 
 
-def _reference(world: int) -> list[torch.Tensor]:
-    """DeepSpeed's ZeroOneAdam update on W replicas in one process, the schedule of PLAN."""
+def _reference(world: int, bias_correction: bool) -> list[torch.Tensor]:
+    """DeepSpeed's ZeroOneAdam update on W replicas in one process, the schedule of PLAN;
+    bias_correction: fsdpx's correction ([Note: 0/1 Adam's bias correction]), m by
+    1 - beta1^t, v by 1 - beta2^(the number of variance updates)."""
     ps = [torch.linspace(-1, 1, math.prod(SHAPE)).view(SHAPE) for _ in range(world)]
     ms = [torch.zeros(SHAPE) for _ in range(world)]
     us = [torch.zeros(SHAPE) for _ in range(world)]
     v = torch.zeros(SHAPE)
     lrs = 0.0
+    var_updates = 0
     exchange = _Reference(math.prod(SHAPE), world)
     for t, grads in enumerate(_grads(world), start=1):
         kind = PLAN[t - 1]
@@ -75,6 +80,7 @@ def _reference(world: int) -> list[torch.Tensor]:
         if kind == "variance":
             g = sum(grads) / world
             v = B2 * v + (1 - B2) * g * g
+            var_updates += 1
             gs = [g] * world
         elif not frozen:
             g = exchange(grads)
@@ -82,10 +88,13 @@ def _reference(world: int) -> list[torch.Tensor]:
             gs = [g] * world
         else:
             gs = grads
-        denom = v.sqrt() + EPS
+        c1, c2 = 1.0, 1.0
+        if bias_correction:
+            c1, c2 = 1 - B1**t, math.sqrt(1 - B2**var_updates)
+        denom = v.sqrt() / c2 + EPS
         for r in range(world):
             ms[r] = B1 * ms[r] + (1 - B1) * gs[r]
-            update = ms[r] / denom + WD * ps[r]
+            update = ms[r] / c1 / denom + WD * ps[r]
             ps[r] = ps[r] - LR * update
             if frozen:
                 us[r] = us[r] - LR * update
@@ -98,7 +107,7 @@ def _reference(world: int) -> list[torch.Tensor]:
             avg[v == 0] = 0.0
             for r in range(world):
                 ps[r] = ps[r] - us[r] + avg / denom
-                ms[r] = -avg / lrs
+                ms[r] = -avg / lrs * c1
                 us[r] = torch.zeros(SHAPE)
             lrs = 0.0
     return ps
@@ -119,14 +128,19 @@ ZO_CFG: dict[str, Any] = {
 
 
 def _body(rank: int, world: int) -> dict[str, Any]:
-    direct = _opt_body(rank, world)
+    direct = {bc: _opt_body(rank, world, bc) for bc in (False, True)}
     mark = comm_log().mark()
     losses, params = fsdpx_run(ZO_CFG)
     kinds = comm_log().kinds_since(mark)
     # The same training on a plain replica, ZeroOneAdam averaging variance steps in step().
     model = make_model()
     opt = ZeroOneAdam(
-        model.parameters(), lr=1e-2, var_freeze_step=2, var_update_scaler=1, local_step_scaler=100
+        model.parameters(),
+        lr=1e-2,
+        bias_correction=False,
+        var_freeze_step=2,
+        var_update_scaler=1,
+        local_step_scaler=100,
     )
     for micro in global_batches(STEPS, 1):
         for x, y in micro:
@@ -140,12 +154,15 @@ def _body(rank: int, world: int) -> dict[str, Any]:
 def test_zero_one_adam_matches_reference_and_through_shard() -> None:
     world = 2
     results = run_ranks(_body, world)
-    expected = _reference(world)
-    for rank, res in enumerate(results):
-        torch.testing.assert_close(res["direct"]["param"], expected[rank])
-        assert res["direct"]["kinds"] == [KINDS[k] for k in PLAN]
-    # The last step was local: the replicas differ (0/1 Adam's local steps).
-    assert not torch.allclose(expected[0], expected[1])
+    for bc in (False, True):
+        expected = _reference(world, bc)
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res["direct"][bc]["param"], expected[rank])
+            assert res["direct"][bc]["kinds"] == [KINDS[k] for k in PLAN]
+        # The last step was local: the replicas differ (0/1 Adam's local steps).
+        assert not torch.allclose(expected[0], expected[1])
+    # The correction matters: early steps are larger without it.
+    assert not torch.allclose(_reference(world, False)[0], _reference(world, True)[0])
     # Through fsdpx.shard: FSDP's hook all-reduces in backward before variance steps only,
     # and the engine trains what plain replicas with the optimizer's own exchange train.
     for res in results:
@@ -183,7 +200,6 @@ def test_zero_one_adam_resumes_from_its_state_dict() -> None:
 @pytest.mark.parametrize(
     ("opt", "match"),
     [
-        ({"bias_correction": True}, "has no bias correction .* set optimizer.bias_correction"),
         ({"var_update_scaler": 0}, "optimizer.var_update_scaler"),
         ({"zero_stage": 3}, r"needs zero.stage = 0; got 3"),
     ],
@@ -199,7 +215,7 @@ def test_deepspeed_zero_one_adam_maps() -> None:
     params = {
         "lr": 1e-3,
         "weight_decay": 0.01,
-        "bias_correction": True,  # DeepSpeed never applies it: mapped to false
+        "bias_correction": False,  # DeepSpeed never applies it; fsdpx does unless false
         "var_freeze_step": 1000,
         "var_update_scaler": 16,
         "local_step_scaler": 1000,

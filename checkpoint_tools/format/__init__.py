@@ -26,8 +26,10 @@ from checkpoint_tools.format.layout import (
 from checkpoint_tools.format.names import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
+    RANK_PREFIX,
     model_name,
     optim_name,
+    rank_optim_prefix,
     split_optim_name,
 )
 from checkpoint_tools.format.reader import CheckpointReader
@@ -41,6 +43,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MODEL_PREFIX",
     "OPTIM_PREFIX",
+    "RANK_PREFIX",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",
@@ -56,6 +59,7 @@ __all__ = [
     "TensorMeta",
     "model_name",
     "optim_name",
+    "rank_optim_prefix",
     "split_optim_name",
     "write_manifest",
 ]

@@ -1,4 +1,5 @@
-"""Tensor naming convention (FORMAT.md §5): `model/<fqn>` and `optim/<fqn>/<state key>`.
+"""Tensor naming convention (FORMAT.md §5): `model/<fqn>`, `optim/<fqn>/<state key>` and
+`rank/<r>/optim/<key>` (one rank's own optimizer state).
 
 `<fqn>` is the parameter's fully qualified name in the *unwrapped* module (the key of
 `model.state_dict()` without FSDP/compile/checkpoint wrapper prefixes), so a consolidated
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
+RANK_PREFIX = "rank/"
 
 
 def model_name(fqn: str) -> str:
@@ -30,3 +32,9 @@ def split_optim_name(name: str) -> tuple[str, str]:
         raise ValueError(f"expected 'optim/<fqn>/<key>'; got {name!r}")
     fqn, key = name[len(OPTIM_PREFIX) :].rsplit("/", 1)
     return fqn, key
+
+
+def rank_optim_prefix(rank: int) -> str:
+    """`rank/<rank>/optim/`: the names of state only rank `rank` holds (1-bit error
+    feedback), e.g. rank_optim_prefix(1) + "0/worker_error"."""
+    return f"{RANK_PREFIX}{rank}/{OPTIM_PREFIX}"

@@ -29,6 +29,7 @@ from checkpoint_tools.format import (
     CheckpointError,
     CheckpointReader,
     optim_name,
+    rank_optim_prefix,
 )
 from checkpoint_tools.format.root import committed, resolve
 from fsdpx.checkpoint import commit
@@ -178,6 +179,21 @@ class _Loader:
                 optimizer.state.pop(p, None)
         restore_param_groups(optimizer, saved["param_groups"])
 
+    def rank_local(self, optimizer: torch.optim.Optimizer, rank: int, size: int) -> None:
+        """Hand the optimizer this rank's own state ([Note: per-rank optimizer state] in
+        fsdpx/checkpoint/state.py); nothing when the world size changed."""
+        load = getattr(optimizer, "load_rank_local_state", None)
+        if not callable(load):
+            return
+        found: dict[str, torch.Tensor] = {}
+        if self.reader.world_size == size:
+            prefix = rank_optim_prefix(rank)
+            for name in self.reader.names():
+                if name.startswith(prefix):
+                    found[name[len(prefix) :]] = self.reader.read(name)
+        self.touched = True
+        load(found)
+
     def _optim_tensor(
         self, name: str, p: torch.Tensor, cur: torch.Tensor | None, on_device: bool
     ) -> torch.Tensor:
@@ -230,6 +246,7 @@ def _apply(
         return LoadResult(path, client_state, {}), None
     if optimizer is not None and load_optimizer_states:
         loader.optimizer(model, optimizer)
+        loader.rank_local(optimizer, rank, size)
     if lr_scheduler is not None and load_lr_scheduler_states:
         if state.get("lr_scheduler") is None:
             raise ValueError(

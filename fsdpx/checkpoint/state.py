@@ -35,7 +35,7 @@ try:
 except ImportError:  # torch < 2.13 (e.g. a GPU image's older torch): no FSDP-over-TP saves
     _StridedShardOffsetMode = None  # type: ignore[assignment,misc]
 
-from checkpoint_tools.format import MODEL_PREFIX, optim_name
+from checkpoint_tools.format import MODEL_PREFIX, optim_name, rank_optim_prefix
 from fsdpx.dtensor import to_local
 
 _MSGPACK_INT = (-(2**63), 2**64 - 1)
@@ -225,7 +225,31 @@ def collect_pieces(
             else:
                 extra.setdefault(fqn, {})[k] = v
     meta = {"param_groups": groups, "tensor_keys": tensor_keys, "extra": extra}
+    pieces.extend(rank_local_pieces(optimizer, rank))
     return pieces, to_plain(meta, "optimizer state")
+
+
+def rank_local_pieces(optimizer: torch.optim.Optimizer, rank: int) -> list[Piece]:
+    """This rank's own optimizer state, `rank/<rank>/optim/<key>`.
+
+    [Note: per-rank optimizer state] The 1-bit optimizers (fsdpx/onebit_adam.py and its
+    siblings) keep error-feedback buffers that differ on every rank, unlike the rest of
+    their state, which replicas share. An optimizer with `rank_local_state()` (key ->
+    tensor) and `load_rank_local_state(dict)` has each rank write its own tensors under
+    its own names (each one piece covering the whole tensor), so a resume at the same
+    world size continues exactly; at another world size the ranks' chunks of the
+    compressed exchange no longer match, and the loader hands it nothing (it restarts
+    the feedback at zero, as DeepSpeed did on every load).
+    """
+    state = getattr(optimizer, "rank_local_state", None)
+    if not callable(state):
+        return []
+    prefix = rank_optim_prefix(rank)
+    out = []
+    for key, t in state().items():
+        local = t.detach()
+        out.append(Piece(prefix + key, local, tuple(local.shape), (0,) * local.dim()))
+    return out
 
 
 def merge_optimizer_meta(metas: list[dict[str, Any] | None]) -> dict[str, Any] | None:

@@ -58,6 +58,28 @@ class OneBitState:
             torch.zeros(n // world_size, dtype=torch.float32, device=device),
         )
 
+    def as_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The two buffers by name, for a checkpoint ([Note: per-rank optimizer state] in
+        fsdpx/checkpoint/state.py)."""
+        return {
+            prefix + "worker_error": self.worker_error,
+            prefix + "server_error": self.server_error,
+        }
+
+    @staticmethod
+    def from_dict(
+        found: dict[str, torch.Tensor], prefix: str, device: torch.device
+    ) -> OneBitState | None:
+        """The buffers `as_dict(prefix)` named, moved to `device`; None when `found` lacks
+        them. `compressed_all_reduce` checks their sizes when it uses them."""
+        worker, server = found.get(prefix + "worker_error"), found.get(prefix + "server_error")
+        if worker is None or server is None:
+            return None
+        return OneBitState(
+            worker.to(device, torch.float32).reshape(-1).clone(),
+            server.to(device, torch.float32).reshape(-1).clone(),
+        )
+
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """uint8 bytes holding ``x >= 0`` (bit i of byte k is element 8k + i); x.numel() % 8 == 0."""

@@ -375,16 +375,16 @@ class _Translator:
         if str(raw).lower() == "adam" and kind == "adamw":
             note = " (DeepSpeed's Adam has adam_w_mode true by default: decoupled weight decay)"
         self._map("optimizer.type", "optimizer.type", kind, note)
-        if kind == "onebit_adam":
-            self._onebit_bias_correction()
-        if kind in ("zero_one_adam", "onebit_lamb"):
-            self._zero_one_bias_correction(str(raw))
+        if kind in ("onebit_adam", "zero_one_adam"):
+            self._onebit_bias_correction(str(raw))
+        if kind == "onebit_lamb":
+            self._lamb_bias_correction(str(raw))
         if "optimizer.params.adam_w_mode" in self.leaves:
             self._row(
                 "optimizer.params.adam_w_mode", w_mode, "mapped", f"optimizer.type = {kind!r}"
             )
 
-    def _onebit_bias_correction(self) -> None:
+    def _onebit_bias_correction(self, name: str) -> None:
         key = "optimizer.params.bias_correction"
         value = self.leaves.get(key, True)
         if not isinstance(value, bool):
@@ -394,11 +394,12 @@ class _Translator:
             key,
             "optimizer.bias_correction",
             value,
-            " (DeepSpeed's OnebitAdam accepted bias_correction but never applied it: its "
-            "updates were uncorrected, as fsdpx's are with false; fsdpx applies true)",
+            f" (DeepSpeed's {name} accepted bias_correction but never applied it: its "
+            "updates were uncorrected, as fsdpx's are with false; fsdpx applies true, "
+            "which a short freeze phase needs: [Note: 0/1 Adam's bias correction])",
         )
 
-    def _zero_one_bias_correction(self, name: str) -> None:
+    def _lamb_bias_correction(self, name: str) -> None:
         key = "optimizer.params.bias_correction"
         value = self.leaves.get(key, True)
         if not isinstance(value, bool):
