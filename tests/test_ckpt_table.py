@@ -6,6 +6,7 @@ with the table is refused.
 
 from __future__ import annotations
 
+import random
 import struct
 import zlib
 from pathlib import Path
@@ -19,6 +20,7 @@ from checkpoint_tools.format import (
     CheckpointFormatError,
     CheckpointReader,
     RankWriter,
+    coverage,
     write_manifest,
 )
 from checkpoint_tools.format.layout import DATA_HEADER, INDEX_MAGIC, MANIFEST_MAGIC, pack_container
@@ -218,7 +220,7 @@ def forge_manifest(d: Path, edit: Any) -> None:
         (lambda b: b["layouts"][0].reverse(), "rank 0 out of order"),
         (lambda b: b["tensors"][0].__setitem__(3, 5), "layout 5 is not one of the 2 layouts"),
         (lambda b: b["tensors"].append(list(b["tensors"][0])), "listed twice"),
-        (lambda b: b["layouts"][0][0].__setitem__(1, [0]), "same number of dims"),
+        (lambda b: b["layouts"][0][0].__setitem__(1, [0]), "same number of dims as the layout"),
     ],
 )
 def test_table_disagreeing_with_an_index_is_refused(tmp_path: Path, edit: Any, match: str) -> None:
@@ -241,3 +243,28 @@ if __name__ == "__main__":  # regenerate the golden files: python -m tests.test_
     for f in GOLDEN.iterdir():
         f.unlink()
     write_golden_table(GOLDEN)
+
+
+def test_one_dim_sweep_agrees_with_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """coverage.uncovered's fast path (row/column shards, replicas) answers as the grid."""
+    rng = random.Random(0)
+    cases = []
+    for _ in range(600):
+        nd = rng.randint(1, 3)
+        shape = tuple(rng.randint(1, 5) for _ in range(nd))
+        split = rng.randrange(nd)
+        boxes = []
+        for _ in range(rng.randint(0, 4)):
+            off, shp = [0] * nd, list(shape)
+            if rng.random() < 0.8:
+                lo = rng.randint(0, shape[split])
+                off[split], shp[split] = lo, rng.randint(lo, shape[split]) - lo
+            if rng.random() < 0.1:  # sometimes a second split dim: the grid decides
+                d = rng.randrange(nd)
+                off[d] = rng.randint(0, shape[d])
+                shp[d] = rng.randint(0, shape[d] - off[d])
+            boxes.append((tuple(off), tuple(shp)))
+        cases.append((shape, boxes, coverage.uncovered(shape, boxes)))
+    monkeypatch.setattr(coverage, "_sweep_one_dim", lambda shape, boxes: (False, None))
+    for shape, boxes, fast in cases:
+        assert coverage.uncovered(shape, boxes) == fast, (shape, boxes)

@@ -28,13 +28,14 @@ import torch
 
 from checkpoint_tools.format.coverage import Box, intersect, uncovered
 from checkpoint_tools.format.errors import CheckpointFormatError
-from checkpoint_tools.format.layout import DTYPES, check_tensor_name
+from checkpoint_tools.format.layout import DTYPES, MAX_NDIM, check_tensor_name
 from checkpoint_tools.format.schema import Piece, _get, _ints
 
 # The MANIFEST minor version that introduced the tensor table.
 ROUTING_MINOR = 2
 
 Entry = tuple[int, Box]  # (rank, (offsets, shape))
+_LIMIT = 1 << 62
 
 
 def build_routing(rank_pieces: Sequence[Sequence[Sequence[Any]]]) -> dict[str, Any]:
@@ -110,7 +111,10 @@ class Routing:
         """The pieces a read of rectangle `want` of `name` takes (one per distinct
         rectangle overlapping it); cached per layout, since tensors of one layout are
         read with the same rectangle (a rank's shard)."""
-        key = (self.tensors[name].layout, want, prefer_rank)
+        layout = self.tensors[name].layout
+        if prefer_rank is not None and self._by_rank[layout].get(prefer_rank) == want:
+            return [(prefer_rank, want)]  # its own piece is the rectangle: nothing else
+        key = (layout, want, prefer_rank)
         hit = self._chosen.get(key)
         if hit is None:
             if len(self._chosen) >= 4096:  # bounded: a tool reading many rectangles
@@ -224,31 +228,41 @@ def parse_routing(body: dict[Any, Any], minor: int, world_size: int, path: Path)
 
 
 def _layout(raw: Any, i: int, world_size: int, path: Path) -> tuple[Entry, ...]:
+    """One layout, validated entry by entry with inline checks (a 1,024-rank table has
+    ~10^5 entries when no two tensors share a layout: per-entry calls would dominate)."""
     where = f"MANIFEST layout {i}"
     if not isinstance(raw, list) or not raw:
         raise CheckpointFormatError(f"{where}: expected a non-empty list of pieces", path=path)
     out: list[Entry] = []
-    last = -1
+    last, ndim = -1, -1
     for e in raw:
-        if not (isinstance(e, list) and len(e) == 3 and type(e[0]) is int):
+        if not (type(e) is list and len(e) == 3 and type(e[0]) is int):
             raise CheckpointFormatError(
                 f"{where}: expected [rank, offsets, shape] entries", path=path
             )
+        rank, offsets, shape = e
         # Ranks strictly increase: a rank holds at most one piece of a tensor.
-        if not last < e[0] < world_size:
+        if not last < rank < world_size:
             raise CheckpointFormatError(
-                f"{where}: rank {e[0]} out of order or outside [0, {world_size})", path=path
+                f"{where}: rank {rank} out of order or outside [0, {world_size})", path=path
             )
-        last = e[0]
-        offsets = _ints(e[1], path, f"{where} offsets")
-        shape = _ints(e[2], path, f"{where} shape")
-        if len(offsets) != len(shape) or (out and len(shape) != len(out[0][1][1])):
+        last = rank
+        if ndim == -1 and type(offsets) is list:
+            ndim = len(offsets)
+        if not (
+            type(offsets) is list
+            and type(shape) is list
+            and len(offsets) == len(shape) == ndim <= MAX_NDIM
+            and all(type(v) is int and 0 <= v < _LIMIT for v in offsets)
+            and all(type(v) is int and 0 <= v < _LIMIT for v in shape)
+        ):
             raise CheckpointFormatError(
-                f"{where}: rank {e[0]}'s offsets {offsets} and shape {shape} do not have the "
-                "same number of dims as the layout's other pieces",
+                f"{where}: rank {rank}'s offsets {offsets!r} and shape {shape!r} must be "
+                f"lists of ints in [0, 2**62), with the same number of dims as the layout's "
+                "other pieces (at most 64)",
                 path=path,
             )
-        out.append((e[0], (offsets, shape)))
+        out.append((rank, (tuple(offsets), tuple(shape))))
     return tuple(out)
 
 
