@@ -120,7 +120,7 @@ class _Loader:
             local.copy_(data)
 
     def check_shape(self, name: str, target: torch.Tensor) -> None:
-        saved = tuple(self.reader.meta(name).shape)
+        saved = tuple(self.reader.info(name).shape)
         if saved != tuple(target.shape):
             raise ValueError(
                 f"tensor {name!r} has shape {saved} in {str(self.path)!r} but {tuple(target.shape)} "
@@ -200,14 +200,14 @@ class _Loader:
         if cur is not None:
             self.read_into(name, cur)
             return cur
-        shape = tuple(self.reader.meta(name).shape)
+        shape = tuple(self.reader.info(name).shape)
         if shape == tuple(p.shape) and isinstance(p, DTensor):
             # A state like the parameter (exp_avg): the parameter's placements.
             local_shape, offsets = rectangle(p)
             if all(local_shape):
                 local = self.reader.read(name, offsets, local_shape)
             else:  # this rank's shard is empty (fewer rows than ranks)
-                local = torch.empty(local_shape, dtype=self.reader.meta(name).dtype)
+                local = torch.empty(local_shape, dtype=self.reader.info(name).dtype)
             local = local.to(p.to_local().device)
             return DTensor.from_local(
                 local,
@@ -338,7 +338,9 @@ def load(
         # An offloaded optimizer takes the parameters into its fp32 masters (and NVMe
         # state straight into its swap file); after_load then updates the device copies.
         owner = external_state_owner(model, optimizer)
-        reader = CheckpointReader(path, kernels=checkpoint_kernels(), threads=threads)
+        reader = CheckpointReader(
+            path, kernels=checkpoint_kernels(), threads=threads, prefer_rank=rank
+        )
         with reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
             result, rng = _apply(
