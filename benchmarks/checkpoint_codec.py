@@ -5,8 +5,9 @@
 * encode / decode of whole 4 MiB chunks (1.0's codec 1 vs 1.1's byte planes), bytes ratio;
 * GIL: the same encode work on 1 thread and on 2 threads (a ratio near 2 means the codec
   calls really run in parallel), next to a pure-Python control that holds the GIL;
-* index reading: what opening a checkpoint costs when every rank reads every index, with
-  a synthetic 1,024-rank index (`--ranks`, `--pieces` per rank).
+* index reading: what opening a checkpoint and locating one rank's pieces costs with a
+  synthetic 1,024-rank index (`--ranks`, `--pieces` per rank), when every index is read
+  (format 1.1) and with the 1.2 tensor table (`--only index` runs just this part).
 
     python benchmarks/checkpoint_codec.py            # ~1 min on 2 busy cores
 """
@@ -30,12 +31,11 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint_tools.format import CheckpointReader, codec  # noqa: E402
+from checkpoint_tools.format import CheckpointReader, codec, write_manifest  # noqa: E402
 from checkpoint_tools.format.kernels import Kernels, NumpyKernels  # noqa: E402
 from checkpoint_tools.format.layout import (  # noqa: E402
     DATA_HEADER,
     INDEX_MAGIC,
-    MANIFEST_MAGIC,
     pack_container,
 )
 from fsdpx.ops.shuffle import checkpoint_kernels  # noqa: E402
@@ -158,59 +158,100 @@ def gil_table(chunk: int, level: int, jobs: int) -> None:
         print(f"  {label:22s} CPU/wall {max(ratios):4.2f} (best of 3; 2.00 = fully parallel)")
 
 
-def index_table(ranks: int, pieces: int) -> None:
-    """Every rank opens the checkpoint: MANIFEST plus all `ranks` index files."""
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        entries = []
-        per_rank_rows = 4096
-        for r in range(ranks):
-            body = {
-                "rank": r,
-                "file_id": bytes(16),
-                "data_file": f"rank-{r:05d}.data",
-                "data_size": 1 << 40,
-                "compression": "zstd",
-                "chunk_bytes": 4 << 20,
-                "pieces": [
-                    {
-                        "name": f"model/layer{p}.weight",
-                        "dtype": "F32",
-                        "global_shape": [per_rank_rows * ranks, 1024],
-                        "offsets": [per_rank_rows * r, 0],
-                        "shape": [per_rank_rows, 1024],
-                        "chunks": [
-                            [DATA_HEADER.size + (p * 4 + c) * (4 << 20), 3 << 20, 4 << 20, 0, 2]
-                            for c in range(4)
-                        ],
-                    }
-                    for p in range(pieces)
-                ],
-            }
-            blob = pack_container(INDEX_MAGIC, msgpack.packb(body, use_bin_type=True))
-            (d / f"rank-{r:05d}.index").write_bytes(blob)
-            entries.append(
+def synthetic_index(d: Path, ranks: int, pieces: int, *, table: bool, distinct: bool) -> float:
+    """`ranks` index files of `pieces` row-split tensors each (4 chunks per piece, no data
+    files) and a MANIFEST with or without the 1.2 tensor table; `distinct` gives every
+    tensor its own row count, so no two share a layout (the table's worst case). Returns
+    the CPU seconds write_manifest took (what rank 0 adds to a save)."""
+    infos = []
+    for r in range(ranks):
+        body_pieces, summary = [], []
+        for p in range(pieces):
+            rows = 4096 + (p if distinct else 0)
+            gshape, offs, shape = [rows * ranks, 1024], [rows * r, 0], [rows, 1024]
+            name = f"model/layer{p}.weight"
+            raw = [4 << 20] * 3 + [rows * 1024 * 4 - (12 << 20)]  # the piece's bytes
+            chunks = [
+                [DATA_HEADER.size + (p * 4 + c) * (8 << 20), 3 << 20, raw[c], 0, 2]
+                for c in range(4)
+            ]
+            body_pieces.append(
                 {
-                    "rank": r,
-                    "index_file": f"rank-{r:05d}.index",
-                    "index_size": len(blob),
-                    "index_crc32": zlib.crc32(blob),
-                    "data_file": f"rank-{r:05d}.data",
-                    "data_size": 1 << 40,
-                    "file_id": bytes(16),
+                    "name": name,
+                    "dtype": "F32",
+                    "global_shape": gshape,
+                    "offsets": offs,
+                    "shape": shape,
+                    "chunks": chunks,
                 }
             )
-        body = {"writer": "bench", "world_size": ranks, "ranks": entries, "state": {}}
-        (d / "MANIFEST").write_bytes(
-            pack_container(MANIFEST_MAGIC, msgpack.packb(body, use_bin_type=True), 0)
+            summary.append([name, "F32", gshape, offs, shape])
+        body = {
+            "rank": r,
+            "file_id": bytes(16),
+            "data_file": f"rank-{r:05d}.data",
+            "data_size": 1 << 40,
+            "compression": "zstd",
+            "chunk_bytes": 4 << 20,
+            "pieces": body_pieces,
+        }
+        blob = pack_container(INDEX_MAGIC, msgpack.packb(body, use_bin_type=True))
+        (d / f"rank-{r:05d}.index").write_bytes(blob)
+        (d / f"rank-{r:05d}.data").touch()  # present (readers check), never read here
+        infos.append(
+            {
+                "rank": r,
+                "index_file": f"rank-{r:05d}.index",
+                "index_size": len(blob),
+                "index_crc32": zlib.crc32(blob),
+                "data_file": f"rank-{r:05d}.data",
+                "data_size": 1 << 40,
+                "file_id": bytes(16),
+                "pieces": summary,
+            }
         )
-        total = sum(f.stat().st_size for f in d.iterdir())
-        t = best(lambda: CheckpointReader(d), 2)
-        print(
-            f"index: {ranks} ranks x {pieces} pieces x 4 chunks, {total / 1e6:.1f} MB of "
-            f"index files: opening the checkpoint (every index read, parsed, coverage "
-            f"checked) takes {t:.2f} s per rank"
-        )
+    t0 = time.process_time()
+    write_manifest(d, world_size=ranks, rank_files=infos, state={}, tensor_table=table)
+    return time.process_time() - t0
+
+
+def open_and_plan(d: Path, rank: int) -> tuple[float, float, int, int]:
+    """What loading rank `rank` does before reading data at the saved world size: open
+    the checkpoint and find the pieces of its rows of every tensor. Returns (wall
+    seconds, CPU seconds, index files read, their bytes)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    with CheckpointReader(d, prefer_rank=rank) as r:
+        ranks = r.world_size
+        for name in r.names():
+            info = r.info(name)
+            rows = info.shape[0] // ranks
+            r.pieces_for(name, (rows * rank, 0), (rows, info.shape[1]))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return wall, cpu, r.index_reads, r.index_bytes
+
+
+def index_table(ranks: int, pieces: int) -> None:
+    """[Note: tensor table]: a loading rank's cost to open the checkpoint and locate its
+    pieces, before (MANIFEST without the table: every index read at open, as in format
+    1.1) and after (1.2: the table, then only the indexes holding its pieces)."""
+    for label, table, distinct in [
+        ("1.1 MANIFEST (every index)", False, False),
+        ("1.2 table, shared layouts", True, False),
+        ("1.2 table, a layout per tensor", True, True),
+    ]:
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp)
+            build = synthetic_index(d, ranks, pieces, table=table, distinct=distinct)
+            indexes = sum(f.stat().st_size for f in d.glob("*.index"))
+            manifest = (d / "MANIFEST").stat().st_size
+            wall, cpu, reads, nbytes = open_and_plan(d, ranks // 3)
+            print(
+                f"index: {ranks} ranks x {pieces} pieces x 4 chunks ({indexes / 1e6:.1f} MB of "
+                f"indexes), {label}: MANIFEST {manifest / 1e6:.2f} MB written in {build:.2f} "
+                f"CPU s; a rank opens and plans its reads in {wall:.2f} s ({cpu:.2f} CPU s), "
+                f"reading {reads} index files ({nbytes / 1e6:.2f} MB)",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -220,10 +261,14 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--pieces", type=int, default=100)
+    ap.add_argument("--only", choices=["index"], help="run only this part")
     args = ap.parse_args()
     torch.set_num_threads(1)
     chunk = args.chunk_mib << 20
     print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} (shared)")
+    if args.only == "index":
+        index_table(args.ranks, args.pieces)
+        return
     kernels_table(chunk)
     chunk_table(chunk, args.level)
     gil_table(chunk, args.level, args.jobs)

@@ -163,6 +163,26 @@ def _odd_train(engine: fsdpx.Engine, steps: int, seed: int = 3) -> None:
         engine.step()
 
 
+@contextlib.contextmanager
+def index_files_read() -> Any:
+    """Record the index files this process reads (the names, in order)."""
+    import checkpoint_tools.format.reader as reader_mod
+
+    real = reader_mod.read_whole
+    seen: list[str] = []
+
+    def spy(directory: Path, name: str, limit: int) -> bytes:
+        if name.endswith(".index"):
+            seen.append(name)
+        return real(directory, name, limit)
+
+    reader_mod.read_whole = spy  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        reader_mod.read_whole = real  # type: ignore[assignment]
+
+
 def reshard_save_body(
     rank: int, world_size: int, cfg_dict: dict[str, Any], root: str, steps: int
 ) -> dict[str, Any]:
@@ -173,12 +193,13 @@ def reshard_save_body(
     # Same world size, fresh engine without optimizer state: the states are created with
     # the parameters' placements, including the empty shards of 5- and 3-row tensors.
     fresh = fsdpx.shard(odd_net(seed=11), fsdpx.Config.from_dict(cfg_dict))
-    fresh.load_checkpoint(root)
+    with index_files_read() as indexes:  # [Note: tensor table]: its own index only
+        fresh.load_checkpoint(root)
     # HSDP (2 replicas x 2 shards): each replicated piece must be written exactly once.
     hsdp = fsdpx.shard(odd_net(), fsdpx.Config.from_dict({**cfg_dict, "mesh": {"dp_replicate": 2}}))
     _odd_train(hsdp, steps)
     hsdp.save_checkpoint(Path(root) / "hsdp", tag="hsdp")
-    return {**saved, "reloaded": _summary(fresh), "hsdp": _summary(hsdp)}
+    return {**saved, "reloaded": _summary(fresh), "hsdp": _summary(hsdp), "indexes": indexes}
 
 
 def reshard_load_body(

@@ -95,7 +95,14 @@ def write_golden(d: Path, compression: str) -> None:
     )
     w.add("model/z", torch.zeros(64, dtype=torch.float32), global_shape=(64,), offsets=(0,))
     info = w.close()
-    write_manifest(d, world_size=1, rank_files=[info], state={"step": 1, "rng": b"\x01\x02"})
+    # 1.0's MANIFEST (no tensor table): these files are what 1.0 and 1.1 readers read
+    write_manifest(
+        d,
+        world_size=1,
+        rank_files=[info],
+        state={"step": 1, "rng": b"\x01\x02"},
+        tensor_table=False,
+    )
 
 
 def test_golden_bytes_match_writer(tmp_path: Path) -> None:
@@ -200,7 +207,7 @@ def test_sub_rectangles(tmp_path_factory: pytest.TempPathFactory, data: st.DataO
 
 
 def test_large_read_uses_slabs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import checkpoint_tools.format.reader as reader_mod
+    import checkpoint_tools.format.assemble as reader_mod
 
     monkeypatch.setattr(reader_mod, "SLAB_BYTES", 64)  # force many slabs and split chunks
     t = sample(torch.float32, (40, 7))

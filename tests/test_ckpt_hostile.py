@@ -195,7 +195,9 @@ def resign(
     body = (
         manifest_body if manifest_body is not None else msgpack.packb(manifest, use_bin_type=True)
     )
-    (d / "MANIFEST").write_bytes(pack_container(MANIFEST_MAGIC, body))
+    # keep the MANIFEST's version: 1.2 (with its tensor table) for the base checkpoint
+    (minor,) = struct.unpack_from("<H", (d / "MANIFEST").read_bytes(), 10)
+    (d / "MANIFEST").write_bytes(pack_container(MANIFEST_MAGIC, body, minor))
 
 
 def forge_index(d: Path, edit: Callable[[dict[str, Any]], None], rank: int = 0) -> None:
@@ -383,11 +385,26 @@ def test_chunks_sharing_an_offset(ckpt: Path) -> None:
     load_all(ckpt)
 
 
-def test_huge_global_shape_with_small_pieces(ckpt: Path) -> None:
+def without_tensor_table(d: Path) -> None:
+    """Rewrite MANIFEST as 1.0 (no tensor table): readers then read every index."""
+    manifest = read_container(d / "MANIFEST")
+    del manifest["tensors"], manifest["layouts"]
+    body = msgpack.packb(manifest, use_bin_type=True)
+    (d / "MANIFEST").write_bytes(pack_container(MANIFEST_MAGIC, body, 0))
+
+
+@pytest.mark.parametrize("table", [True, False], ids=["1.2-table", "1.0-manifest"])
+def test_huge_global_shape_with_small_pieces(ckpt: Path, table: bool) -> None:
+    if not table:
+        without_tensor_table(ckpt)
     for rank in range(2):
         forge_index(
             ckpt, lambda b: piece(b, "model/w").__setitem__("global_shape", [1 << 40, 30]), rank
         )
+    if table:  # the table says the same (else: "the MANIFEST's tensor table says (20, 30)")
+        manifest = read_container(ckpt / "MANIFEST")
+        next(t for t in manifest["tensors"] if t[0] == "model/w")[2] = [1 << 40, 30]
+        resign(ckpt, manifest_body=msgpack.packb(manifest, use_bin_type=True))
     err = expect_error(ckpt, CheckpointFormatError)  # bounded: no 2**40-row allocation
     assert "leave element (20, 0) uncovered" in str(err) and err.tensor == "model/w"
 

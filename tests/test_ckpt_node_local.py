@@ -167,7 +167,7 @@ def test_a_node_missing_one_of_its_own_files_is_incomplete(
     with pytest.raises(
         CheckpointNotFoundError,
         match=r"^missing checkpoint file 'rank-00003.data': the MANIFEST lists the files of 4 "
-        r"rank\(s\), but the files of rank\(s\) 3 \(node 0 on node-0: ranks 0, 1, 2, 3\) are "
+        r"rank\(s\), but the files of rank\(s\) 3 \(node 0 on node-0: ranks 0-3\) are "
         r"not in '.*/s1': the checkpoint is incomplete; restore the missing files",
     ):
         CheckpointReader(copy)

@@ -51,7 +51,7 @@ def write_golden_planes(d: Path) -> None:
     w.add("model/z", torch.zeros(64, dtype=torch.float32), global_shape=(64,), offsets=(0,))
     w.add("model/i", torch.arange(256, dtype=torch.uint8), global_shape=(256,), offsets=(0,))
     info = w.close()
-    write_manifest(d, world_size=1, rank_files=[info], state={"step": 2})
+    write_manifest(d, world_size=1, rank_files=[info], state={"step": 2}, tensor_table=False)
 
 
 def index_body(d: Path) -> dict:

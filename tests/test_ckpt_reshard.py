@@ -28,7 +28,13 @@ def saved_and_loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         ({"zero1": {"zero": {"stage": 1}}, "zero0": {"zero": {"stage": 0}}}, root),
     )
     at1 = run_ranks(ckpt_bodies.reshard_load_body, 1, ({"zero3": {"zero": {"stage": 3}}}, root))
-    return {"saved": saved[0], "at2": at2, "at1": at1[0], "root": Path(root)}
+    return {
+        "saved": saved[0],
+        "indexes": [s["indexes"] for s in saved],
+        "at2": at2,
+        "at1": at1[0],
+        "root": Path(root),
+    }
 
 
 def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -51,6 +57,16 @@ def test_saved_state_has_optimizer_and_buffer(saved_and_loaded: dict[str, Any]) 
 def test_reload_at_same_world_size_with_empty_shards(saved_and_loaded: dict[str, Any]) -> None:
     saved = saved_and_loaded["saved"]
     _assert_same_state(saved["reloaded"]["state"], saved["state"])
+
+
+def test_reload_at_same_world_size_reads_only_its_own_index(
+    saved_and_loaded: dict[str, Any],
+) -> None:
+    # The 1.2 tensor table spares each rank the other indexes: it reads its own (its
+    # shards) and rank 0's (which alone writes plain tensors: the buffer), each once.
+    assert [sorted(names) for names in saved_and_loaded["indexes"]] == [
+        sorted({"rank-00000.index", f"rank-{r:05d}.index"}) for r in range(4)
+    ]
 
 
 def test_hsdp_writes_each_replicated_piece_once(saved_and_loaded: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from checkpoint_tools.format.names import (
     split_optim_name,
 )
 from checkpoint_tools.format.reader import CheckpointReader
-from checkpoint_tools.format.schema import Chunk, Piece, RankFile, TensorMeta
+from checkpoint_tools.format.schema import Chunk, Piece, RankFile, TensorInfo, TensorMeta
 from checkpoint_tools.format.writer import RankWriter, write_manifest
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "Piece",
     "RankFile",
     "RankWriter",
+    "TensorInfo",
     "TensorMeta",
     "model_name",
     "optim_name",

@@ -32,10 +32,13 @@ from checkpoint_tools.format.errors import (
 )
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1
-# The oldest minor version still written: files that use no 1.1 feature (codec 2) are
-# written as 1.0 (FORMAT.md §7: writers write the lowest version that describes them).
+FORMAT_MINOR = 2
+# The oldest minor version still written: files that use no newer feature (codec 2 in
+# data and index files, 1.1; the tensor table in MANIFEST, 1.2) are written as 1.0
+# (FORMAT.md §7: writers write the lowest version that describes them).
 BASE_MINOR = 0
+# The newest minor version of data and index files (1.1, codec 2); 1.2 changed only MANIFEST.
+DATA_MINOR = 1
 
 DATA_MAGIC = b"FSDPXDAT"
 INDEX_MAGIC = b"FSDPXIDX"
@@ -119,7 +122,7 @@ def check_tensor_name(name: object) -> str | None:
     return None
 
 
-def pack_container(magic: bytes, body: bytes, minor: int = FORMAT_MINOR) -> bytes:
+def pack_container(magic: bytes, body: bytes, minor: int = DATA_MINOR) -> bytes:
     head = CONTAINER_HEADER.pack(magic, FORMAT_MAJOR, minor, 0, len(body))
     crc = zlib.crc32(body, zlib.crc32(head))
     return head + body + CRC.pack(crc)

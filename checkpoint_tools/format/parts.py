@@ -34,7 +34,17 @@ def absent_ranks(rank_files: Sequence[RankFile], missing: Sequence[str]) -> list
 
 
 def _span(ranks: Sequence[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+    """'0-3, 8, 10, 11': runs of three or more consecutive ranks as ranges, so a message about a
+    1,024-rank checkpoint stays one readable line."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(
+        f"{a}-{b}" if b - a >= 2 else ", ".join(str(r) for r in range(a, b + 1)) for a, b in runs
+    )
 
 
 def _nodes(state: dict[str, Any], ranks: Sequence[int]) -> str:

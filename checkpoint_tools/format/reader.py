@@ -1,5 +1,6 @@
-"""Reading a checkpoint: validate MANIFEST and indexes up front, then read any rectangle
-of any tensor, touching only the chunks that hold it.
+"""Reading a checkpoint: validate MANIFEST (and its tensor table, format 1.2) up front,
+read a rank's index when one of its pieces is needed (before 1.2: every index up front),
+then read any rectangle of any tensor, touching only the chunks that hold it.
 
 Files are opened only by their canonical names inside the checkpoint directory (see
 files.py). Nothing is unpickled; nothing is executed.
@@ -7,7 +8,6 @@ files.py). Nothing is unpickled; nothing is executed.
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 import zlib
@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from checkpoint_tools.format import codec, parts
-from checkpoint_tools.format.coverage import Box, blocks, c_strides, intersect, numel, uncovered
+from checkpoint_tools.format.assemble import ChunkAssembler
+from checkpoint_tools.format.coverage import Box, blocks, numel, uncovered
 from checkpoint_tools.format.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -38,21 +39,18 @@ from checkpoint_tools.format.layout import (
     itemsize,
     unpack_container,
 )
+from checkpoint_tools.format.routing import choose, parse_routing
 from checkpoint_tools.format.schema import (
-    Chunk,
     Piece,
     RankFile,
+    TensorInfo,
     TensorMeta,
     parse_index,
     parse_manifest,
 )
 
-# A read is assembled in slabs of at most this many bytes per piece, so reading a large
-# rectangle costs its output plus one slab, not output plus a full copy of each piece.
-SLAB_BYTES = 16 << 20
 
-
-class CheckpointReader:
+class CheckpointReader(ChunkAssembler):
     """Random access to a checkpoint directory (one tag, not the root with `latest`).
 
     Args:
@@ -60,6 +58,8 @@ class CheckpointReader:
         kernels: shuffle / CRC kernels ([Note: codec injection]); numpy + zlib by default.
         threads: threads that read and decode the whole chunks of one read in parallel
             ([Note: parallel reads]); 1 reads on the calling thread.
+        prefer_rank: the reading rank: of replicated pieces, its own are read (its own
+            index and data file) when it holds one.
         present_only: read a directory that holds only some ranks' files (one node's
             part of a node-local checkpoint, FORMAT.md §2.2): the others' files are
             skipped, and a read whose rectangle is not in the files here raises
@@ -82,6 +82,7 @@ class CheckpointReader:
         *,
         kernels: Kernels | None = None,
         threads: int = 1,
+        prefer_rank: int | None = None,
         present_only: bool = False,
     ) -> None:
         if not isinstance(threads, int) or threads < 1:
@@ -106,11 +107,19 @@ class CheckpointReader:
         body = unpack_container(mpath, raw, MANIFEST_MAGIC, MAX_MANIFEST_BYTES)
         self.world_size, self.rank_files, self.state = parse_manifest(body, mpath)
         _, major, minor, _, _ = CONTAINER_HEADER.unpack_from(raw)
-        self.format_version: tuple[int, int] = (major, minor)
+        self._manifest_version = (major, minor)
         self.writer: str = str(body.get("writer", "unknown"))
+        self.prefer_rank = prefer_rank
+        self.index_reads = 0
+        """Index files read so far ([Note: tensor table]: 1.2 checkpoints read only the
+        indexes of ranks whose pieces were asked for)."""
+        self.index_bytes = 0
+        """Their bytes."""
         self._data = DataFiles(self.directory)
         self._cache: tuple[tuple[str, int, int], np.ndarray] | None = None
         self._turn = 0
+        self._indexes: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...], Piece]]] = {}
+        self._meta: dict[str, TensorMeta] = {}
         missing = parts.missing_files(self.directory, self.rank_files)
         self.absent_ranks = parts.absent_ranks(self.rank_files, missing)
         if missing and not present_only:
@@ -119,19 +128,37 @@ class CheckpointReader:
                     self.directory, self.world_size, missing, self.absent_ranks, self.state
                 )
             )
-        grouped: dict[str, list[tuple[torch.dtype, tuple[int, ...], Piece]]] = {}
-        for rf in self.rank_files:
-            if rf.rank in self.absent_ranks:
-                continue
-            for name, dtype, gshape, piece in self._load_index(rf):
-                grouped.setdefault(name, []).append((dtype, gshape, piece))
-        self._meta = {name: self._check_tensor(name, g) for name, g in grouped.items()}
-        # The newest version any file uses (a 1.1 checkpoint keeps a 1.0 MANIFEST).
-        self.format_version = max([self.format_version, *self._data.versions.values()])
+        self._routing = parse_routing(body, minor, self.world_size, mpath)
+        if self._routing is None:  # before 1.2: every index, read now
+            grouped: dict[str, list[tuple[torch.dtype, tuple[int, ...], Piece]]] = {}
+            for rf in self._present():
+                for name, (dtype, gshape, piece) in self._index(rf.rank).items():
+                    grouped.setdefault(name, []).append((dtype, gshape, piece))
+            self._meta = {name: self._check_tensor(name, g) for name, g in grouped.items()}
 
-    def _load_index(self, rf: RankFile) -> list[tuple[str, torch.dtype, tuple[int, ...], Piece]]:
+    @property
+    def format_version(self) -> tuple[int, int]:
+        """The newest format version any file of the checkpoint uses (a 1.1 checkpoint
+        keeps a 1.0 MANIFEST; a 1.2 MANIFEST may name 1.0 files). Reads every index
+        (that is here: see present_only)."""
+        for rf in self._present():
+            self._index(rf.rank)
+        return max([self._manifest_version, *self._data.versions.values()])
+
+    def _present(self) -> list[RankFile]:
+        """The rank files in this directory (all of them unless present_only)."""
+        return [rf for rf in self.rank_files if rf.rank not in self.absent_ranks]
+
+    def _index(self, rank: int) -> dict[str, tuple[torch.dtype, tuple[int, ...], Piece]]:
+        """Rank `rank`'s pieces by name, its index read and checked on first use."""
+        pieces = self._indexes.get(rank)
+        if pieces is not None:
+            return pieces
+        rf = self.rank_files[rank]
         path = self.directory / rf.index_file
         raw = read_whole(self.directory, rf.index_file, MAX_INDEX_BYTES)
+        self.index_reads += 1
+        self.index_bytes += len(raw)
         if len(raw) != rf.index_size or zlib.crc32(raw) != rf.index_crc32:
             raise CheckpointCorruptError(
                 f"index file is {len(raw)} bytes with CRC-32 {zlib.crc32(raw):#010x}; the "
@@ -141,8 +168,13 @@ class CheckpointReader:
             )
         body = unpack_container(path, raw, INDEX_MAGIC, MAX_INDEX_BYTES)
         _, major, minor, _, _ = CONTAINER_HEADER.unpack_from(raw)
+        parsed = parse_index(body, path, rf, minor)
+        if self._routing is not None:
+            self._routing.check_index(rank, parsed, path)
         self._data.versions[rf.rank] = (major, minor)
-        return parse_index(body, path, rf, minor)
+        pieces = {name: (dtype, gshape, piece) for name, dtype, gshape, piece in parsed}
+        self._indexes[rank] = pieces
+        return pieces
 
     def _check_tensor(
         self, name: str, group: list[tuple[torch.dtype, tuple[int, ...], Piece]]
@@ -179,16 +211,59 @@ class CheckpointReader:
     def names(self) -> list[str]:
         """Tensor names in the order they were written (rank 0's order first, then names
         only later ranks hold), which is the model's state-dict order for fsdpx saves."""
+        if self._routing is not None:
+            return list(self._routing.tensors)
         return list(self._meta)
 
+    def info(self, name: str) -> TensorInfo:
+        """dtype and global shape of tensor `name`, without reading any index."""
+        if self._routing is None:
+            return self.meta(name)
+        route = self._routing.tensors.get(name)
+        if route is None:
+            raise self._no_such(name)
+        return TensorInfo(name, route.dtype, route.shape)
+
     def meta(self, name: str) -> TensorMeta:
-        """dtype, global shape and pieces of tensor `name`."""
-        try:
-            return self._meta[name]
-        except KeyError:
-            raise CheckpointNotFoundError(
-                "no such tensor in the checkpoint", path=self.directory, tensor=name
-            ) from None
+        """dtype, global shape and every piece of tensor `name` (in a 1.2 checkpoint this
+        reads the index of every rank holding a piece of it; `info` reads none)."""
+        meta = self._meta.get(name)
+        if meta is not None:
+            return meta
+        if self._routing is None or name not in self._routing.tensors:
+            raise self._no_such(name)
+        info = self.info(name)
+        pieces = tuple(
+            self._index(rank)[name][2]
+            for rank, _ in self._routing.entries(name)
+            if rank not in self.absent_ranks
+        )
+        meta = self._meta[name] = TensorMeta(info.name, info.dtype, info.shape, pieces)
+        return meta
+
+    def pieces_for(
+        self, name: str, offsets: Sequence[int] | None = None, shape: Sequence[int] | None = None
+    ) -> TensorMeta:
+        """Tensor `name` with only the pieces a read of the rectangle at `offsets` with
+        `shape` (default: the whole tensor) decodes from: one per distinct rectangle
+        overlapping it, `prefer_rank`'s own replica where it holds one. In a 1.2
+        checkpoint only those pieces' ranks' indexes are read ([Note: tensor table]).
+
+        Raises:
+            ValueError: the rectangle does not fit the tensor.
+        """
+        info = self.info(name)
+        want = self._rectangle(info, offsets, shape)
+        if self._routing is None:
+            entries = [(p.rank, (p.offsets, p.shape)) for p in self.meta(name).pieces]
+            chosen = choose(entries, want, self.prefer_rank)
+        elif self.absent_ranks:  # present_only: the replicas here; _fill checks coverage
+            here = [e for e in self._routing.entries(name) if e[0] not in self.absent_ranks]
+            chosen = choose(here, want, self.prefer_rank)
+        else:
+            chosen = self._routing.select(name, want, self.prefer_rank)
+        pieces = tuple(self._index(rank)[name][2] for rank, _ in chosen)
+        return TensorMeta(info.name, info.dtype, info.shape, pieces)
 
     def read(
         self,
@@ -203,28 +278,39 @@ class CheckpointReader:
             ValueError: the rectangle does not fit the tensor.
             CheckpointCorruptError: a chunk fails its checksum or does not decode.
         """
-        meta = self.meta(name)
-        offs = tuple(offsets) if offsets is not None else (0,) * len(meta.shape)
+        meta = self.pieces_for(name, offsets, shape)
+        want = self._rectangle(meta, offsets, shape)
+        out = torch.empty(want[1], dtype=meta.dtype)
+        if out.numel():
+            self._fill(meta, want, out)
+        return out
+
+    def _rectangle(
+        self, info: TensorInfo, offsets: Sequence[int] | None, shape: Sequence[int] | None
+    ) -> Box:
+        offs = tuple(offsets) if offsets is not None else (0,) * len(info.shape)
         shp = (
             tuple(shape)
             if shape is not None
-            else tuple(g - o for g, o in zip(meta.shape, offs, strict=True))
+            else tuple(g - o for g, o in zip(info.shape, offs, strict=True))
         )
         if (
-            len(offs) != len(meta.shape)
-            or len(shp) != len(meta.shape)
+            len(offs) != len(info.shape)
+            or len(shp) != len(info.shape)
             or any(
-                o < 0 or s < 0 or o + s > g for o, s, g in zip(offs, shp, meta.shape, strict=True)
+                o < 0 or s < 0 or o + s > g for o, s, g in zip(offs, shp, info.shape, strict=True)
             )
         ):
             raise ValueError(
-                f"rectangle at offsets={offs} with shape={shp} does not fit tensor {name!r} "
-                f"of shape {meta.shape}"
+                f"rectangle at offsets={offs} with shape={shp} does not fit tensor "
+                f"{info.name!r} of shape {info.shape}"
             )
-        out = torch.empty(shp, dtype=meta.dtype)
-        if out.numel():
-            self._fill(meta, (offs, shp), out)
-        return out
+        return offs, shp
+
+    def _no_such(self, name: str) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(
+            "no such tensor in the checkpoint", path=self.directory, tensor=name
+        )
 
     def iter_blocks(
         self, name: str, max_bytes: int = 4 << 20, *, buffers: int = 1
@@ -260,13 +346,13 @@ class CheckpointReader:
             CheckpointCorruptError: the first damaged chunk, naming file, tensor, offset.
         """
         self._cache = None  # deep decoding below reuses the cached-chunk buffer
-        for rf in self.rank_files:
+        for name in self.names():
+            self.meta(name)  # every index read and checked, coverage too
+        for rf in self._present():
             items = sorted(
                 (
-                    (c, m.name, m.dtype)
-                    for m in self._meta.values()
-                    for p in m.pieces
-                    if p.rank == rf.rank
+                    (c, name, dtype)
+                    for name, (dtype, _, p) in self._index(rf.rank).items()
                     for c in p.chunks
                 ),
                 key=lambda item: item[0].offset,  # file order; chunks themselves don't compare
@@ -303,142 +389,3 @@ class CheckpointReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    # --- reading chunks -------------------------------------------------------------
-
-    def _scratch(self, key: str, nbytes: int) -> np.ndarray:
-        """A reusable uint8 buffer of at least `nbytes`. Reusing buffers matters: fresh
-        multi-MiB allocations are mmapped by the allocator, and first-touch page faults
-        cost more than decoding (measured: 2x slower consolidation)."""
-        bufs: dict[str, np.ndarray] | None = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = {}  # one set per thread: worker threads decode at once
-        buf = bufs.get(key)
-        if buf is None or len(buf) < nbytes:
-            buf = np.empty(max(nbytes, 1), dtype=np.uint8)
-            bufs[key] = buf
-        return buf[:nbytes]
-
-    def _stored(self, rf: RankFile, chunk: Chunk, name: str) -> memoryview:
-        buf = self._scratch("stored", chunk.stored_size)
-        return self._data.stored(rf, chunk, name, buf, self.kernels.crc32)
-
-    def _decode(self, meta: TensorMeta, piece: Piece, k: int, dst: np.ndarray) -> None:
-        chunk = piece.chunks[k]
-        rf = self.rank_files[piece.rank]
-        codec.decode_into(
-            self._stored(rf, chunk, meta.name),
-            chunk.codec,
-            itemsize(meta.dtype),
-            dst,
-            self._scratch("planes", chunk.raw_size),
-            kernels=self.kernels,
-            expected_crc=None,  # _stored checked it
-            path=self.directory / rf.data_file,
-            tensor=meta.name,
-            offset=chunk.offset,
-        )
-
-    def _fill(self, meta: TensorMeta, want: Box, out: torch.Tensor) -> None:
-        """Copy the rectangle `want` of `meta` into `out` (contiguous, shape want[1])."""
-        if self.absent_ranks:
-            parts.check_present(meta, want, self.absent_ranks, self.directory, self.state)
-        seen: set[Box] = set()
-        for piece in meta.pieces:
-            box = (piece.offsets, piece.shape)
-            if box in seen:  # a replica of a piece already copied
-                continue
-            seen.add(box)
-            inter = intersect(box, want)
-            if inter is None:
-                continue
-            self._copy(meta, piece, inter, want, out)
-
-    def _copy(
-        self, meta: TensorMeta, piece: Piece, inter: Box, want: Box, out: torch.Tensor
-    ) -> None:
-        """Copy `inter` (global coordinates) from `piece` into `out`, slab by slab along
-        the first dim so the bytes decoded at once stay near SLAB_BYTES. When the slab is
-        contiguous in both the piece and `out` (whole trailing dims: row shards, blocks),
-        chunks decode straight into `out`."""
-        size = itemsize(meta.dtype)
-        if not inter[1]:  # 0-d
-            self._span(meta, piece, 0, 1, out.reshape(1).view(torch.uint8).numpy())
-            return
-        strides = c_strides(piece.shape)
-        lo = [i - p for i, p in zip(inter[0], piece.offsets, strict=True)]
-        dst_lo = [i - w for i, w in zip(inter[0], want[0], strict=True)]
-        shp = list(inter[1])
-        row = numel(shp[1:]) * size
-        direct = shp[1:] == list(piece.shape[1:]) == list(want[1][1:])
-        flat_out = out.reshape(-1).view(torch.uint8).numpy() if direct else None
-        rows = max(1, SLAB_BYTES // max(row, 1))
-        for r0 in range(0, shp[0], rows):
-            n = min(rows, shp[0] - r0)
-            start = [lo[0] + r0, *lo[1:]]
-            first = sum(i * s for i, s in zip(start, strides, strict=True))
-            if flat_out is not None:
-                at = (dst_lo[0] + r0) * row
-                self._span(meta, piece, first, n * row // size, flat_out[at : at + n * row])
-                continue
-            last = first + sum((x - 1) * s for x, s in zip([n, *shp[1:]], strides, strict=True))
-            count = last + 1 - first
-            span = self._span(meta, piece, first, count, self._scratch("span", count * size))
-            src = torch.from_numpy(span).view(meta.dtype).as_strided([n, *shp[1:]], strides)
-            index = tuple(
-                slice(d + r0, d + r0 + n) if k == 0 else slice(d, d + x)
-                for k, (d, x) in enumerate(zip(dst_lo, shp, strict=True))
-            )
-            out[index].copy_(src)
-
-    def _span(
-        self, meta: TensorMeta, piece: Piece, first: int, count: int, dst: np.ndarray
-    ) -> np.ndarray:
-        """Decode elements [first, first+count) of `piece` (C order) into `dst` (uint8)."""
-        size = itemsize(meta.dtype)
-        begin, end = first * size, (first + count) * size
-        k = max(0, bisect.bisect_right(piece.starts, begin) - 1)
-        whole: list[tuple[int, np.ndarray]] = []
-        while k < len(piece.chunks) and piece.starts[k] < end:
-            cstart = piece.starts[k]
-            cend = cstart + piece.chunks[k].raw_size
-            if begin <= cstart and cend <= end:
-                whole.append((k, dst[cstart - begin : cend - begin]))
-            else:
-                cached = self._cached(meta, piece, k)
-                a, b = max(begin, cstart), min(end, cend)
-                dst[a - begin : b - begin] = cached[a - cstart : b - cstart]
-            k += 1
-        self._decode_all(meta, piece, whole)
-        return dst
-
-    def _decode_all(
-        self, meta: TensorMeta, piece: Piece, jobs: list[tuple[int, np.ndarray]]
-    ) -> None:
-        """[Note: parallel reads] Whole chunks decode straight into disjoint slices of the
-        output, so they are independent: with `threads` > 1 each worker reads (pread) and
-        decodes its own chunks into its own scratch buffers (zstd, zlib, numpy and the
-        native kernels release the GIL), so reading one chunk overlaps decoding another.
-        Memory: per thread one stored and one planes buffer of a chunk. Partial chunks
-        (the edges of a rectangle) go through the shared one-chunk cache on the calling
-        thread."""
-        if self.threads == 1 or len(jobs) < 2:
-            for k, out in jobs:
-                self._decode(meta, piece, k, out)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read")
-        for f in [self._pool.submit(self._decode, meta, piece, k, out) for k, out in jobs]:
-            f.result()
-
-    def _cached(self, meta: TensorMeta, piece: Piece, k: int) -> np.ndarray:
-        """A whole decoded chunk, kept until the next partial chunk is needed: slabs and
-        blocks that split a chunk decode it once."""
-        key = (meta.name, piece.rank, k)
-        if self._cache is not None and self._cache[0] == key:
-            return self._cache[1]
-        whole = self._scratch("cached", piece.chunks[k].raw_size)
-        self._cache = None
-        self._decode(meta, piece, k, whole)
-        self._cache = (key, whole)
-        return whole

@@ -61,13 +61,12 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class TensorMeta:
-    """A tensor of the checkpoint: dtype, global shape and the pieces that tile it."""
+class TensorInfo:
+    """A tensor of the checkpoint: name, dtype and global shape."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
 
     @property
     def numel(self) -> int:
@@ -79,6 +78,14 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorMeta(TensorInfo):
+    """A tensor of the checkpoint with the pieces that tile it (all of them from
+    `CheckpointReader.meta`, the ones a read takes from `pieces_for`)."""
+
+    pieces: tuple[Piece, ...]
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,14 @@ from checkpoint_tools.format.layout import (
     pack_container,
 )
 from checkpoint_tools.format.root import fsync_dir, fsync_file
+from checkpoint_tools.format.routing import ROUTING_MINOR, build_routing
 
 _Inflight = tuple[
     "Future[tuple[codec.Encoded, np.ndarray]]", list[list[int]], int, Callable[[], None] | None
 ]
 
-# Names the MANIFEST's own version (informational); rank files carry theirs in headers.
+# Names the MANIFEST's own version (informational; 1.2 with a tensor table); rank files
+# carry theirs in headers.
 WRITER_ID = f"fsdpx-checkpoint {FORMAT_MAJOR}.{BASE_MINOR}"
 
 
@@ -291,7 +293,8 @@ class RankWriter:
 
     def close(self) -> dict[str, Any]:
         """Fsync the data file, write and fsync the index. Returns this rank's entry for
-        `write_manifest` (file names, sizes, index checksum, file id): msgpack-able."""
+        `write_manifest` (file names, sizes, index checksum, file id, and under "pieces"
+        each piece's name, dtype, global shape, offsets and shape): msgpack-able."""
         if self._closed:
             raise ValueError(f"RankWriter for rank {self.rank} is already closed or aborted")
         self._closed = True
@@ -333,6 +336,12 @@ class RankWriter:
             "data_file": self._data_path.name,
             "data_size": self._pos,
             "file_id": self._file_id,
+            # For the MANIFEST's tensor table ([Note: tensor table]); write_manifest moves
+            # it there, so it is not part of the MANIFEST's rank entry.
+            "pieces": [
+                [p["name"], p["dtype"], p["global_shape"], p["offsets"], p["shape"]]
+                for p in self._pieces
+            ],
         }
 
     def abort(self) -> None:
@@ -350,6 +359,7 @@ def write_manifest(
     world_size: int,
     rank_files: list[dict[str, Any]],
     state: dict[str, Any],
+    tensor_table: bool = True,
 ) -> None:
     """Write the MANIFEST, the last file of a checkpoint (temp file, fsync, rename, fsync
     the directory). A directory without MANIFEST is an incomplete checkpoint.
@@ -358,8 +368,16 @@ def write_manifest(
         directory: the checkpoint directory every RankWriter wrote into.
         world_size: number of ranks that wrote files.
         rank_files: the dicts returned by each rank's `RankWriter.close()`, any order.
+            Their "pieces" lists become the tensor table ([Note: tensor table]).
         state: msgpack-able values (dict/list/str/bytes/int/float/bool/None): engine,
             scheduler and loss-scaler state, RNG states as bytes, client_state.
+        tensor_table: write the tensor table (format 1.2; needs every entry's "pieces").
+            False writes a 1.0 MANIFEST, which makes every reader read every index.
+
+    Raises:
+        ValueError: missing or duplicate ranks, state that msgpack cannot hold, a
+            tensor table asked for without "pieces", or ranks that disagree on a
+            tensor's dtype or global shape.
 
     Example::
 
@@ -372,12 +390,25 @@ def write_manifest(
         raise ValueError(
             f"expected one rank file entry for each rank 0..{world_size - 1}; got ranks {ranks}"
         )
-    body = {
-        "writer": WRITER_ID,
+    entries = sorted(rank_files, key=lambda f: int(f["rank"]))
+    body: dict[str, Any] = {
+        "writer": WRITER_ID
+        if not tensor_table
+        else f"fsdpx-checkpoint {FORMAT_MAJOR}.{ROUTING_MINOR}",
         "world_size": world_size,
-        "ranks": sorted(rank_files, key=lambda f: int(f["rank"])),
+        "ranks": [{k: v for k, v in f.items() if k != "pieces"} for f in entries],
         "state": state,
     }
+    minor = BASE_MINOR
+    if tensor_table:
+        missing = [int(f["rank"]) for f in entries if "pieces" not in f]
+        if missing:
+            raise ValueError(
+                f"rank file entries of ranks {missing[:5]} have no 'pieces' list (pass what "
+                "RankWriter.close() returns, or tensor_table=False for a 1.0 MANIFEST)"
+            )
+        body.update(build_routing([f["pieces"] for f in entries]))
+        minor = ROUTING_MINOR
     try:
         packed = msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -388,7 +419,7 @@ def write_manifest(
         ) from None
     d = Path(directory)
     tmp = d / (MANIFEST_NAME + ".tmp")
-    _write_file(tmp, pack_container(MANIFEST_MAGIC, packed, BASE_MINOR), exclusive=False)
+    _write_file(tmp, pack_container(MANIFEST_MAGIC, packed, minor), exclusive=False)
     os.replace(tmp, d / MANIFEST_NAME)
     fsync_dir(d)
 

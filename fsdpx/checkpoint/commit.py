@@ -6,7 +6,9 @@
 2. Every rank reports (ok or its error, its file info, its RNG state) in one all-gather:
    that is both the barrier and the vote. If any rank failed, nobody commits: rank 0
    removes the temp directory and every rank raises the same error.
-3. Rank 0 writes the MANIFEST last (atomically), renames the temp directory to
+3. Every rank's piece list goes to rank 0 alone (a gather: at 1,024 ranks no other rank
+   should receive 1,024 lists), for the MANIFEST's tensor table ([Note: tensor table] in
+   checkpoint_tools/format/routing.py). Rank 0 writes the MANIFEST last (atomically), renames the temp directory to
    `<root>/<tag>`, fsyncs `<root>`, then replaces `<root>/latest` atomically (temp file,
    fsync, rename, fsync `<root>`). It broadcasts whether that worked.
 
@@ -62,6 +64,35 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[by
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(out, buf, group=group)
     return [o[: int(s)].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
+
+
+def gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[bytes] | None:
+    """Every rank's payload, in rank order, on rank 0 (None elsewhere): what only rank 0
+    needs costs the others nothing beyond one all-gather of sizes."""
+    rank, size = world(group)
+    if size == 1:
+        return [payload]
+    n = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(sizes, n, group=group)
+    longest = max(int(s) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)] if rank == 0 else None
+    dist.gather(buf, out, dst=dst, group=group)
+    if out is None:
+        return None
+    return [o[: int(s)].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
+
+
+def gather_obj(value: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """gather_bytes of msgpack-encoded values (never pickle)."""
+    raw = gather_bytes(msgpack.packb(value, use_bin_type=True), group)
+    if raw is None:
+        return None
+    return [msgpack.unpackb(r, raw=False, strict_map_key=False) for r in raw]
 
 
 def all_gather_obj(value: Any, group: dist.ProcessGroup | None) -> list[Any]:

@@ -105,7 +105,7 @@ class _Loader:
             local.copy_(data)
 
     def check_shape(self, name: str, target: torch.Tensor) -> None:
-        saved = tuple(self.reader.meta(name).shape)
+        saved = tuple(self.reader.info(name).shape)
         if saved != tuple(target.shape):
             raise ValueError(
                 f"tensor {name!r} has shape {saved} in {str(self.path)!r} but {tuple(target.shape)} "
@@ -200,14 +200,14 @@ class _Loader:
         if cur is not None:
             self.read_into(name, cur)
             return cur
-        shape = tuple(self.reader.meta(name).shape)
+        shape = tuple(self.reader.info(name).shape)
         if shape == tuple(p.shape) and isinstance(p, DTensor):
             # A state like the parameter (exp_avg): the parameter's placements.
             local_shape, offsets = rectangle(p)
             if all(local_shape):
                 local = self.reader.read(name, offsets, local_shape)
             else:  # this rank's shard is empty (fewer rows than ranks)
-                local = torch.empty(local_shape, dtype=self.reader.meta(name).dtype)
+                local = torch.empty(local_shape, dtype=self.reader.info(name).dtype)
             local = local.to(p.to_local().device)
             return DTensor.from_local(
                 local,
@@ -330,7 +330,11 @@ def load(
     try:
         path = resolve(directory, tag)
         reader = CheckpointReader(
-            path, kernels=checkpoint_kernels(), threads=threads, present_only=node_local
+            path,
+            kernels=checkpoint_kernels(),
+            threads=threads,
+            present_only=node_local,
+            prefer_rank=rank,
         )
     except Exception as exc:
         error = exc

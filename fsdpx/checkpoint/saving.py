@@ -228,6 +228,9 @@ def _write_and_commit(
     rng = plan.rng if isinstance(plan, _Plan) else {}
     # Partial (pipeline) saves: rank 0 needs every rank's optimizer description.
     optim = plan.state["optimizer"] if isinstance(plan, _Plan) and plan.partial else None
+    # [Note: tensor table] Only rank 0 needs every rank's piece list (for the MANIFEST):
+    # it goes by a gather after the vote, not in the vote every rank receives.
+    pieces = info.pop("pieces") if info is not None else []
     vote = {
         "ok": error is None,
         "error": None if error is None else _describe(error),
@@ -250,8 +253,12 @@ def _write_and_commit(
             f"committed and 'latest' is unchanged. The traceback is in rank {r}'s output."
         )
     assert isinstance(plan, _Plan) and temp is not None and final is not None
+    every_pieces = commit.gather_obj(pieces, group)
     commit_error: BaseException | None = None
     if rank == 0:
+        assert every_pieces is not None
+        for rep, rank_pieces in zip(reports, every_pieces, strict=True):
+            rep["info"]["pieces"] = rank_pieces
         try:
             state = {**plan.state, "rng": [rep["rng"] for rep in reports]}
             if plan.partial:

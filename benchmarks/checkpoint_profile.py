@@ -1,0 +1,162 @@
+"""Where one rank's checkpoint save spends its time, per stage (issue 22's profile).
+
+One process writes one rank's files with `RankWriter` (what `engine.save_checkpoint` does
+on each rank after collecting its shards), over a trained-like state: fp32 (or bf16)
+weights ~N(0, 0.02) plus Adam moments, `--params-m` million parameters. Each stage is
+timed where it is called:
+
+* sample: `codec.worth_compressing` (zstd over a sample of each plane);
+* shuffle+CRC: the kernels' one-pass shuffle (and CRC-32 of the raw planes);
+* zstd: compressing the planes worth it;
+* CRC: CRC-32 of compressed frames and raw chunks, CRC combination;
+* write: the data file's write calls (copying into the page cache); fsync: the fsyncs;
+* other CPU: the process's remaining CPU time (Python, tensor copies, the index).
+
+All but fsync are CPU seconds of the calling thread (`time.thread_time`, kernel time
+included), so the shares mean something on a loaded machine; fsync is wall seconds (it
+waits on the disk), and the write calls' wall time is printed beside the total.
+Shares are of their sum: the time one core spends on the save when nothing overlaps.
+
+Each dtype runs twice in one process: with the work format 1.0 did (every byte plane
+through zstd, numpy shuffle, zlib CRC) and as the writer runs now (format 1.1 byte
+planes, the native shuffle+CRC op when built).
+
+    python benchmarks/checkpoint_profile.py --params-m 10 [--dtype bf16] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import checkpoint_tools.format.writer as writer_mod  # noqa: E402
+from checkpoint_tools.format import RankWriter, codec  # noqa: E402
+from checkpoint_tools.format.kernels import NumpyKernels  # noqa: E402
+from fsdpx.ops.shuffle import checkpoint_kernels  # noqa: E402
+
+_lock = threading.Lock()
+seconds: dict[str, float] = defaultdict(float)
+
+
+def timed(stage: str, fn: Callable[..., Any], *, wall: bool = False) -> Callable[..., Any]:
+    clock = time.perf_counter if wall else time.thread_time
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with _lock:
+                seconds[stage] += clock() - t0
+
+    return run
+
+
+class TimedKernels:
+    def __init__(self, inner: Any) -> None:
+        self.name = inner.name
+        self.shuffle_crc = timed("shuffle+CRC", inner.shuffle_crc)
+        self.unshuffle_crc = inner.unshuffle_crc
+        self.crc32 = timed("CRC", inner.crc32)
+        self.crc32_combine = timed("CRC", inner.crc32_combine)
+
+
+class TimedCctx:
+    def __init__(self, inner: Any) -> None:
+        self.compress = timed("zstd", inner.compress)
+
+
+class TimedFile:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.write = timed("write", timed("write wall", inner.write, wall=True))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def state(params: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(params, generator=g) * 0.02
+    m = torch.randn(params, generator=g) * 1e-3
+    v = torch.rand(params, generator=g) * 1e-6
+    return {
+        "model/w": w.to(dtype),
+        "optim/w/exp_avg": m.to(dtype),
+        "optim/w/exp_avg_sq": v.to(dtype),
+    }
+
+
+def profile(params: int, dtype: torch.dtype, threads: int, directory: Path, old: bool) -> None:
+    seconds.clear()
+    tensors = state(params, dtype)
+    raw = sum(t.numel() * t.element_size() for t in tensors.values())
+    real_worth = codec.worth_compressing
+    # old: every plane through zstd and the numpy kernels, the work format 1.0's codec 1
+    # did (shuffle, then zstd over all of it) before byte-plane coding and the native op
+    worth = (lambda raw, size, cctx: [True] * size) if old else real_worth
+    codec.worth_compressing = timed("sample", worth)  # type: ignore[assignment]
+    real_fsync_file, real_fsync_dir = writer_mod.fsync_file, writer_mod.fsync_dir
+    writer_mod.fsync_file = timed("fsync", real_fsync_file, wall=True)  # type: ignore[assignment]
+    writer_mod.fsync_dir = timed("fsync", real_fsync_dir, wall=True)  # type: ignore[assignment]
+    try:
+        # loaded before the clock starts: the first call loads the native library
+        kernels = NumpyKernels() if old else checkpoint_kernels()
+        t0, c0 = time.perf_counter(), time.process_time()
+        w = RankWriter(directory, 0, threads=threads, kernels=TimedKernels(kernels))  # type: ignore[arg-type]
+        real_new = w._new_cctx
+        w._new_cctx = lambda: TimedCctx(real_new())  # type: ignore[method-assign,assignment,return-value]
+        w._f = TimedFile(w._f)  # type: ignore[assignment]
+        for name, t in tensors.items():
+            w.add(name, t, global_shape=t.shape, offsets=(0,))
+        info = w.close()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        codec.worth_compressing = real_worth  # type: ignore[assignment]
+        writer_mod.fsync_file, writer_mod.fsync_dir = real_fsync_file, real_fsync_dir  # type: ignore[assignment]
+    compute = ["sample", "shuffle+CRC", "zstd", "CRC", "write"]
+    other = max(cpu - sum(seconds[s] for s in compute), 0.0)
+    rows = [*((s, seconds[s]) for s in compute), ("other CPU", other)]
+    rows += [("fsync", seconds["fsync"])]
+    total = sum(v for _, v in rows)
+    print(
+        f"{'all planes zstd + numpy (1.0 work)' if old else 'byte planes + native op (1.1)'}: "
+        f"{dtype}, {params / 1e6:.0f}M params ({raw / 1e6:.0f} MB raw -> "
+        f"{info['data_size'] / 1e6:.0f} MB, {info['data_size'] / raw:.3f}), threads {threads}: "
+        f"wall {wall:.2f} s, process CPU {cpu:.2f} s, write wall {seconds['write wall']:.2f} s"
+    )
+    for s, v in rows:
+        print(f"  {s:12s} {v:7.2f} s  {100 * v / total:5.1f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params-m", type=float, default=10.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} (shared)")
+    dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(
+        args.dtype, [torch.float32, torch.bfloat16]
+    )
+    for dtype in dtypes:
+        for old in (True, False):
+            with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                profile(int(args.params_m * 1e6), dtype, args.threads, Path(tmp), old)
+
+
+if __name__ == "__main__":
+    main()
