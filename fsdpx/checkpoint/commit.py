@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from checkpoint_tools.format.root import LATEST, TMP_MARK, committed, fsync_dir
 
@@ -54,16 +55,23 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[by
     _, size = world(group)
     if size == 1:
         return [payload]
+    buf, sizes = _padded(payload, size, group)
+    out = [torch.empty(len(buf), dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(out, buf, group=group)
+    return [o[:s].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
+
+
+def _padded(payload: bytes, size: int, group: dist.ProcessGroup | None) -> tuple[Tensor, list[int]]:
+    """Every rank's payload length (one all-gather), and this rank's payload padded to the
+    longest: the equal-sized buffer gloo's gather and all-gather need."""
     n = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(sizes, n, group=group)
-    longest = max(int(s) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, n, group=group)
+    sizes = [int(s) for s in lengths]
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
     if payload:
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    dist.all_gather(out, buf, group=group)
-    return [o[: int(s)].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
+    return buf, sizes
 
 
 def gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[bytes] | None:
@@ -72,19 +80,13 @@ def gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[bytes]
     rank, size = world(group)
     if size == 1:
         return [payload]
-    n = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(sizes, n, group=group)
-    longest = max(int(s) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    buf, sizes = _padded(payload, size, group)
     dst = dist.get_global_rank(group, 0) if group is not None else 0
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)] if rank == 0 else None
+    out = [torch.empty(len(buf), dtype=torch.uint8) for _ in range(size)] if rank == 0 else None
     dist.gather(buf, out, dst=dst, group=group)
     if out is None:
         return None
-    return [o[: int(s)].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
+    return [o[:s].numpy().tobytes() for o, s in zip(out, sizes, strict=True)]
 
 
 def gather_obj(value: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
