@@ -3,10 +3,15 @@ function modes that run it sequence-parallel (UlyssesSDPA, RingSDPA)."""
 
 from __future__ import annotations
 
+import abc
 import inspect
+from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 
 def _sdpa_arguments(
@@ -30,3 +35,28 @@ def bind_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+class SDPAMode(TorchFunctionMode):
+    """Runs every `F.scaled_dot_product_attention` call under it through `attend` (its
+    arguments bound by name) over `group`; every other function passes through."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        return self.attend(func, bind_sdpa(args, kwargs or {}))
+
+    @abc.abstractmethod
+    def attend(self, sdpa: Callable[..., Tensor], call: dict[str, Any]) -> Tensor:
+        """The sequence-parallel attention of one SDPA call (`sdpa` is the kernel);
+        UlyssesSDPA and RingSDPA define it."""

@@ -36,12 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from fsdpx.sequence._ring_comm import RingShift
-from fsdpx.sequence._sdpa import bind_sdpa
+from fsdpx.sequence._sdpa import SDPAMode
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
@@ -231,25 +229,12 @@ def ring_attention(
     return out
 
 
-class RingSDPA(TorchFunctionMode):
+class RingSDPA(SDPAMode):
     """Runs every `F.scaled_dot_product_attention` call under it as ring attention over
     `group` (the native-model path, as UlyssesSDPA: [Note: Ulysses for native models] in
     fsdpx/sequence/ulysses.py); every other function passes through."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **(kwargs or {}))
-        call = bind_sdpa(args, kwargs or {})
+    def attend(self, sdpa: Callable[..., Tensor], call: dict[str, Any]) -> Tensor:
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask under ring attention "

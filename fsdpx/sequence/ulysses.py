@@ -30,12 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from fsdpx.sequence._comm import all_to_all
-from fsdpx.sequence._sdpa import bind_sdpa
+from fsdpx.sequence._sdpa import SDPAMode
 
 
 def check_heads(q_heads: int, kv_heads: int, sp: int) -> None:
@@ -116,25 +114,11 @@ def ulysses_attention(
     return wrapped
 
 
-class UlyssesSDPA(TorchFunctionMode):
+class UlyssesSDPA(SDPAMode):
     """Runs every `F.scaled_dot_product_attention` call under it through Ulysses
     ([Note: Ulysses for native models]); every other function passes through."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        call = bind_sdpa(args, kwargs)
+    def attend(self, sdpa: Callable[..., Tensor], call: dict[str, Any]) -> Tensor:
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask under Ulysses "
@@ -145,4 +129,4 @@ class UlyssesSDPA(TorchFunctionMode):
         q, k, v = gather_sequence(call.pop("query"), call.pop("key"), call.pop("value"), self.group)
         if k.shape[1] != q.shape[1]:
             call["enable_gqa"] = True  # the kv heads were repeated to one per rank
-        return scatter_sequence(func(q, k, v, **call), self.group)
+        return scatter_sequence(sdpa(q, k, v, **call), self.group)
