@@ -47,6 +47,29 @@ Kind = Literal["all_reduce", "all_to_all_single", "all_gather_single", "reduce_s
 KINDS: tuple[Kind, ...] = ("all_reduce", "all_to_all_single", "all_gather_single", "reduce_scatter")
 KEEP_RECORDS = 100_000
 
+# [Note: torch 2.11 collective names] `all_gather_single` / `reduce_scatter_single` are
+# torch 2.13's names. The GPU machines fsdpx's CUDA tests run on have torch 2.11, where the
+# same collectives are `all_gather_into_tensor` / `reduce_scatter_tensor` (2.13 keeps those
+# as deprecated aliases of the new ones): use the old names only where the new are absent.
+# Looked up at each call, not bound at import, so a test can spy on `dist.<name>`.
+
+
+def _all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def _reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup | None,
+) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=op, group=group)
+
 
 @dataclass(frozen=True)
 class CommRecord:
@@ -179,7 +202,7 @@ def all_gather_single(
     w = _size(group)
     _LOG.add("all_gather_single", (w - 1) * _nbytes(input), w)
     token = _CLOCK.begin(COMM_WAIT)
-    dist.all_gather_single(output, input, group=group)
+    _all_gather_single(output, input, group=group)
     _CLOCK.end(COMM_WAIT, token)
     _LOG.done()
 
@@ -194,6 +217,6 @@ def reduce_scatter_single(
     w = _size(group)
     _LOG.add("reduce_scatter", (w - 1) * _nbytes(input) // w, w)
     token = _CLOCK.begin(COMM_WAIT)
-    dist.reduce_scatter_single(output=output, input=input, op=op, group=group)
+    _reduce_scatter_single(output, input, op=op, group=group)
     _CLOCK.end(COMM_WAIT, token)
     _LOG.done()
