@@ -25,7 +25,7 @@ nvidia-smi -L | tee "$out/device.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())' \
     | tee -a "$out/device.txt"
 
-timeout "${GPU_PYTEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider "$@" tests \
+timeout "${GPU_PYTEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors "$@" tests \
     2>&1 | tee "$out/pytest_gpu.log"
 echo "pytest -m gpu rc=${PIPESTATUS[0]}" | tee -a "$out/device.txt"
 
