@@ -18,7 +18,12 @@ import itertools
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Shard, _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+try:
+    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+except ImportError:  # torch < 2.13 (a GPU image's older torch): no FSDP-over-TP loads
+    _StridedShardOffsetMode = None  # type: ignore[assignment,misc]
 
 __all__ = ["local_index_lists", "element_runs"]
 
@@ -36,6 +41,10 @@ def local_index_lists(tensor: torch.Tensor) -> list[list[int]]:
         return [[] for _ in shape]
     for mesh_dim, placement in enumerate(tensor.placements):
         if isinstance(placement, _StridedShard):
+            if _StridedShardOffsetMode is None:
+                raise NotImplementedError(
+                    f"loading into FSDP-over-TP shards needs torch >= 2.13, this is {torch.__version__}"
+                )
             size, offsets = placement._local_shard_size_and_offset(
                 len(idx[placement.dim]),
                 mesh.size(mesh_dim),
