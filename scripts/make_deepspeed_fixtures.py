@@ -119,9 +119,27 @@ CASES: dict[str, dict[str, Any]] = {
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5},
         },
     },
+    # Stage 0 fp16 with DeepSpeed's default Adam on a GPU: FusedAdam inside FP16_Optimizer,
+    # whose masters are one flat fp32 tensor per param group (`fp32_groups_flat`). FusedAdam
+    # is CUDA-only, so this case runs on one GPU (NCCL, world size 1; see CUDA_CASES).
+    "zero0_fp16_fused": {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 0},
+        "fp16": {"enabled": True, "loss_scale": 256},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99]}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5},
+        },
+    },
 }
-GROUPED = {"zero1_fp32", "zero3_bf16", "zero0_fp32", "zero0_fp16"}
+GROUPED = {"zero1_fp32", "zero3_bf16", "zero0_fp32", "zero0_fp16", "zero0_fp16_fused"}
 """Cases built with two param groups (model_parameters=param_groups(model))."""
+CUDA_CASES = {"zero0_fp16_fused"}
+"""Cases that need a CUDA device: one rank, NCCL, DS_ACCELERATOR=cuda (run on a GPU host:
+`TORCH_CUDA_ARCH_LIST=9.0 python scripts/make_deepspeed_fixtures.py DEST zero0_fp16_fused`;
+DeepSpeed JIT-builds FusedAdam on first use)."""
 
 
 def worker(case: str, out: Path) -> None:
@@ -139,7 +157,8 @@ def worker(case: str, out: Path) -> None:
     sys.path.insert(0, str(HERE.parent / "tests"))
     from ds_import_model import make_model, micro_batch, param_groups
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    cuda = case in CUDA_CASES
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     config = json.loads(json.dumps(CASES[case]))
     model = make_model()
@@ -151,6 +170,8 @@ def worker(case: str, out: Path) -> None:
         losses = []
         for micro in range(first_step * gas, (first_step + steps) * gas):
             x, y = micro_batch(micro, rank, world)
+            if cuda:
+                x, y = x.cuda(), y.cuda()
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -193,7 +214,15 @@ def save_masters(engine: Any, dest: Path) -> None:
 
     names = {id(p): n for n, p in engine.module.named_parameters()}
     opt = engine.optimizer
-    if hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer: per-parameter masters
+    if hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer: one flat master per group
+        from torch._utils import _unflatten_dense_tensors
+
+        pairs = [
+            (lp, hp)
+            for lps, flat in zip(opt.fp16_groups, opt.fp32_groups_flat, strict=True)
+            for lp, hp in zip(lps, _unflatten_dense_tensors(flat, lps), strict=True)
+        ]
+    elif hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer: per-parameter masters
         pairs = [
             (lp, hp)
             for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
@@ -201,9 +230,9 @@ def save_masters(engine: Any, dest: Path) -> None:
         ]
     else:  # fp32: the optimizer steps the module's parameters themselves
         pairs = [(p, p) for g in opt.param_groups for p in g["params"]]
-    out = {names[id(lp)]: hp.detach().float().clone() for lp, hp in pairs}
+    out = {names[id(lp)]: hp.detach().float().cpu().clone() for lp, hp in pairs}
     for n, b in engine.module.named_buffers():
-        out[n] = b.detach().float().clone()
+        out[n] = b.detach().float().cpu().clone()
     save_file(out, str(dest))
 
 
@@ -236,10 +265,11 @@ def main(dest: Path, only: list[str]) -> None:
         sys.exit(f"unknown cases {sorted(unknown)}; known: {sorted(CASES) + sorted(UNIVERSAL)}")
     cases = [c for c in CASES if not only or c in only]
     for case in cases:
+        cuda = case in CUDA_CASES
         subprocess.run(
             [
                 str(torchrun),
-                f"--nproc_per_node={WORLD}",
+                f"--nproc_per_node={1 if cuda else WORLD}",
                 f"--master_port={_free_port()}",
                 __file__,
                 "--worker",
@@ -247,7 +277,7 @@ def main(dest: Path, only: list[str]) -> None:
                 str(work),
             ],
             check=True,
-            env=env,
+            env={**env, "DS_ACCELERATOR": "cuda"} if cuda else env,
         )
     dest.mkdir(parents=True, exist_ok=True)
     for case in cases:

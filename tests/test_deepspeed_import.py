@@ -22,6 +22,7 @@ DATA = Path(__file__).parent / "data" / "deepspeed_ckpt"
 CASES = [
     "zero0_fp32",
     "zero0_fp16",
+    "zero0_fp16_fused",
     "zero1_fp32",
     "zero2_fp16",
     "zero3_bf16",
@@ -31,8 +32,9 @@ CASES = [
 # The universal checkpoints are ds_to_universal of these cases': the same runs.
 RECORD_OF = {"zero3_universal": "zero3_bf16", "zero1_universal": "zero1_fp32"}
 # Adam's step as DeepSpeed saved it: 4 steps, except stage 0 fp16, whose
-# FP16_UnfusedOptimizer takes a zero-gradient step at construction ([Note: stage 0 layout]).
-STEP = {"zero0_fp16": 5.0}
+# FP16_UnfusedOptimizer / FP16_Optimizer takes a zero-gradient step at construction
+# ([Note: stage 0 layout]).
+STEP = {"zero0_fp16": 5.0, "zero0_fp16_fused": 5.0}
 
 
 def _reference(case: str) -> Path:
@@ -151,6 +153,7 @@ ZERO0_HALF = {"first": 2e-3, "loss": 2e-3, "weight": 2e-4}
 TOL = {
     "zero0_fp32": FP32,
     "zero0_fp16": ZERO0_HALF,
+    "zero0_fp16_fused": ZERO0_HALF,
     "zero1_fp32": FP32,
     "zero2_fp16": HALF,
     "zero3_bf16": HALF,
@@ -178,9 +181,11 @@ def test_resume_continues_every_deepspeed_run_at_the_same_world_size(tmp_path: P
 def test_resume_at_another_world_size_and_stage(tmp_path: Path) -> None:
     # ZeRO-3 at 2 ranks -> ZeRO-1 at 1 rank, ZeRO-0 at 2 ranks -> ZeRO-3 at 1 rank: same
     # data (the micro-batch is global).
-    got = _resume(tmp_path, 1, [("zero3_bf16", 1), ("zero0_fp32", 3)])
+    # Stage 0 fp16 with FusedAdam (saved on one GPU) continues on one CPU rank.
+    got = _resume(tmp_path, 1, [("zero3_bf16", 1), ("zero0_fp32", 3), ("zero0_fp16_fused", None)])
     _check_continues("zero3_bf16", got["zero3_bf16/1"], HALF)
     _check_continues("zero0_fp32", got["zero0_fp32/3"], FP32)
+    _check_continues("zero0_fp16_fused", got["zero0_fp16_fused/None"], TOL["zero0_fp16_fused"])
 
 
 @pytest.mark.slow

@@ -100,15 +100,69 @@ def test_parameters_outside_the_optimizer_are_refused(tmp_path: Path) -> None:
     _refused(ds, tmp_path / "out", "holds 5 parameters in 2 group.*has 6.*frozen parameters")
 
 
-def test_fused_fp16_flat_masters_and_missing_optimizer_are_refused(tmp_path: Path) -> None:
-    ds, raw = _copy(tmp_path, "zero0_fp16")
+def _flatten(raw: dict[str, Any]) -> None:
+    """Rewrite the unfused fp16 stage 0 optimizer as FP16_Optimizer (FusedAdam) saves it:
+    one flat fp32 master per group, the inner optimizer's state over those flat tensors."""
     opt = raw["optimizer"]
+    inner = opt["optimizer_state_dict"]
     opt["fp32_groups_flat"] = [
         torch.cat([t.reshape(-1) for t in g]) for g in opt.pop("fp32_groups")
     ]
+    state: dict[int, dict[str, Any]] = {}
+    for g, grp in enumerate(inner["param_groups"]):
+        per = [inner["state"][i] for i in grp["params"]]
+        state[g] = {
+            "step": per[0]["step"],
+            **{k: torch.cat([s[k].reshape(-1) for s in per]) for k in ("exp_avg", "exp_avg_sq")},
+        }
+        grp["params"] = [g]
+    inner["state"] = state
+
+
+def test_fused_fp16_flat_masters_import_as_the_unfused_layout(tmp_path: Path) -> None:
+    """[Note: stage 0 flat groups]: the same run saved flat gives the same checkpoint."""
+    ds, raw = _copy(tmp_path, "zero0_fp16")
+    _flatten(raw)
     torch.save(raw, ds / STATES)
-    err = _refused(ds, tmp_path / "out", "FP16_Optimizer \\(FusedAdam\\).*do not record")
+    flat = import_deepspeed(ds, tmp_path / "flat")
+    unfused = import_deepspeed(DATA / "zero0_fp16", tmp_path / "unfused")
+    with CheckpointReader(flat.output) as a, CheckpointReader(unfused.output) as b:
+        assert a.names() == b.names()
+        assert "optim/fc1.weight/exp_avg" in a.names()
+        for name in b.names():
+            assert torch.equal(a.read(name), b.read(name)), name
+
+
+def test_flat_groups_that_do_not_add_up_or_fit_two_ways_are_refused(tmp_path: Path) -> None:
+    ds, raw = _copy(tmp_path, "zero0_fp16")
+    _flatten(raw)
+    flats = raw["optimizer"]["fp32_groups_flat"]
+    # Group 0 is fc1.weight (7x13) and fc2.weight (13x3); group 1 the others, 13, 13, 13, 3.
+    flats[1] = flats[1][:-1]
+    torch.save(raw, ds / STATES)
+    err = _refused(ds, tmp_path / "out", "hold 171 elements.*parameters have 172")
     assert err.tensor == "optimizer.fp32_groups_flat"
+    # By sizes alone 130 | 42 is also fc1.weight + fc1.bias + norm.* | fc2.*; the masters'
+    # values (the fp16 parameters are their slices) leave one way. Masters whose values
+    # match no parameter (a file whose 'module' is not the masters' copy) leave none.
+    flats[1] = torch.cat([flats[1], torch.zeros(1)])
+    flats[0] = flats[0] + 1
+    torch.save(raw, ds / STATES)
+    _refused(ds, tmp_path / "out", "cannot be matched to the module's parameters")
+    from checkpoint_tools.deepspeed.stage0_flat import match_flat
+
+    shapes = {"a": (4,), "b": (2, 2), "c": (3,)}
+    assert match_flat(["a", "b", "c"], shapes, [8, 3], Path("f")) == [["a", "b"], ["c"]]
+    with pytest.raises(DeepSpeedImportError, match="more than one way"):
+        match_flat(["a", "b", "c"], shapes, [4, 7], Path("f"))  # a | b c, or b | a c
+    # The values decide: only `b` fits group 0.
+    assert match_flat(
+        ["a", "b", "c"], shapes, [4, 7], Path("f"), lambda n, g, o: (n == "b") == (g == 0)
+    ) == [["b"], ["a", "c"]]
+
+
+def test_a_missing_optimizer_is_refused(tmp_path: Path) -> None:
+    ds, raw = _copy(tmp_path, "zero0_fp16")
     raw["optimizer"] = None
     torch.save(raw, ds / STATES)
     _refused(ds, tmp_path / "out", "expected the optimizer's state dict under 'optimizer'")

@@ -14,8 +14,10 @@ dtype, `param_shapes` is None, and `optimizer` is the optimizer's own state dict
   dynamic). Its optimizer took one zero-gradient step at construction to create its
   state, so `step` is one more than the engine's global_steps; it is kept as saved,
   which is what the optimizer continues from.
-- fp16 with FusedAdam (FP16_Optimizer): `fp32_groups_flat`, one flat master per group
-  with no record of which parameters it holds: refused.
+- fp16 with FusedAdam (FP16_Optimizer, DeepSpeed's default Adam on a GPU):
+  `fp32_groups_flat`, one flat master per group, and FusedAdam's state over those flat
+  tensors; cut into per-parameter pieces and read as the unfused layout (stage0_flat.py,
+  [Note: stage 0 flat groups]).
 
 [Note: stage 0 fp16 moment units]
 DeepSpeed 0.19.8's engine.backward scales the loss only for its ZeRO optimizers, while
@@ -46,6 +48,7 @@ import torch
 from checkpoint_tools.deepspeed.convert import HYPER, MOMENTS, GroupFacts
 from checkpoint_tools.deepspeed.model_states import ModelStates, Naming, config_dtype
 from checkpoint_tools.deepspeed.sink import Sink
+from checkpoint_tools.deepspeed.stage0_flat import unflatten
 from checkpoint_tools.deepspeed.training_state import plain
 from checkpoint_tools.deepspeed.zero import Param
 from checkpoint_tools.format import model_name, optim_name
@@ -197,18 +200,11 @@ def parse_stage0(raw: dict[str, Any], path: Path) -> Stage0:
     buffer_names = raw.get("buffer_names") or []
     if not isinstance(buffer_names, list) or not set(buffer_names) <= set(module):
         raise _fail("expected the names of buffers in 'module'", path, "buffer_names")
-    if "fp32_groups_flat" in opt:
-        raise _fail(
-            "this stage 0 fp16 checkpoint was saved by DeepSpeed's FP16_Optimizer (FusedAdam): "
-            "its flat fp32 master groups do not record which parameters they hold, so the "
-            "importer does not read them. Save with ZeRO stage 1 or an unfused optimizer",
-            path,
-            "optimizer.fp32_groups_flat",
-        )
     found = raw.get("ds_config")
     config: dict[str, Any] = found if isinstance(found, dict) else {}
     dtype = config_dtype(config)
-    low = "fp32_groups" in opt
+    flat = "fp32_groups_flat" in opt
+    low = "fp32_groups" in opt or flat
     base = opt.get("optimizer_state_dict") if low else opt
     key = "optimizer.optimizer_state_dict" if low else "optimizer"
     if not isinstance(base, dict) or not isinstance(base.get("param_groups"), list):
@@ -223,6 +219,11 @@ def parse_stage0(raw: dict[str, Any], path: Path) -> Stage0:
             path,
             key,
         )
+    buffers = set(map(str, buffer_names))
+    names, aliases = _parameters(module, buffers)
+    shapes = {n: tuple(module[n].shape) for n in names}
+    if flat:  # [Note: stage 0 flat groups]: from here on, the unfused layout
+        flat_masters, base = unflatten(opt, base, module, names, path)
     numbers: list[list[int]] = []
     for g, grp in enumerate(base["param_groups"]):
         ids = grp.get("params") if isinstance(grp, dict) else None
@@ -236,7 +237,10 @@ def parse_stage0(raw: dict[str, Any], path: Path) -> Stage0:
             path,
             f"{key}.param_groups",
         )
-    if low:
+    if flat:
+        masters = flat_masters
+        slot_shapes: list[list[Shape | None]] = [[tuple(t.shape) for t in m] for m in masters]
+    elif low:
         masters = opt["fp32_groups"]
         if not isinstance(masters, list) or [
             len(m) if isinstance(m, list) else -1 for m in masters
@@ -246,16 +250,13 @@ def parse_stage0(raw: dict[str, Any], path: Path) -> Stage0:
                 path,
                 "optimizer.fp32_groups",
             )
-        slot_shapes: list[list[Shape | None]] = [[tuple(t.shape) for t in m] for m in masters]
+        slot_shapes = [[tuple(t.shape) for t in m] for m in masters]
     else:
         masters = []
         slot_shapes = []
         for ids in numbers:
             s = [base["state"].get(i, {}).get("exp_avg") for i in ids]
             slot_shapes.append([tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in s])
-    buffers = set(map(str, buffer_names))
-    names, aliases = _parameters(module, buffers)
-    shapes = {n: tuple(module[n].shape) for n in names}
     order = match_order(names, shapes, slot_shapes, path)
     if not low:
         masters = [[module[n] for n in grp] for grp in order]
@@ -275,7 +276,11 @@ def parse_stage0(raw: dict[str, Any], path: Path) -> Stage0:
     index = {
         n: i for grp, ids in zip(order, numbers, strict=True) for n, i in zip(grp, ids, strict=True)
     }
-    scaler = {k: v for k, v in opt.items() if k not in ("optimizer_state_dict", "fp32_groups")}
+    scaler = {
+        k: v
+        for k, v in opt.items()
+        if k not in ("optimizer_state_dict", "fp32_groups", "fp32_groups_flat")
+    }
     ms = ModelStates(
         raw,
         groups,
