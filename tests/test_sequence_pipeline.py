@@ -37,17 +37,15 @@ def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> N
 
 def test_ulysses_pp2_sp2_matches_single_process() -> None:
     cases = {
-        # seq 15: padded to 16 by shard_batch (with a warning); -100 labels spread
-        # unevenly over the shards; GPT's learned positions on the first stage.
-        "gpt_1f1b": {"model": "gpt", "seq": 15, "mesh": PP_SP, "gas": 2},
-        # RoPE in every block: position_ids must reach the second stage too.
-        "llama_kv2_gpipe_ac": {
+        # RoPE in every block: position_ids must reach the second stage too. seq 15:
+        # padded to 16 by shard_batch (with a warning); -100 labels spread unevenly over
+        # the shards; GQA; activation checkpointing re-enters Ulysses in recompute.
+        "llama_kv2_1f1b_ac": {
             "model": "llama_kv2",
             "pairs": True,
-            "seq": 12,
+            "seq": 15,
             "mesh": PP_SP,
             "gas": 2,
-            "pipeline": {"schedule": "GPipe"},
             "ac": "full",
         },
     }
@@ -56,8 +54,16 @@ def test_ulysses_pp2_sp2_matches_single_process() -> None:
 
 
 @pytest.mark.slow
-def test_ring_pp2_sp2_matches_single_process() -> None:
+def test_more_pp2_sp2_layouts_match_single_process() -> None:
     cases = {
+        # GPT's learned positions on the first stage; GPipe.
+        "gpt_gpipe": {
+            "model": "gpt",
+            "seq": 16,
+            "mesh": PP_SP,
+            "gas": 2,
+            "pipeline": {"schedule": "GPipe"},
+        },
         # Ring attention on the load-balanced layout (global positions out of order),
         # tiled MLP, and a zero-bubble schedule (backward split into input and weight
         # gradients around the ring's backward).
