@@ -79,7 +79,9 @@ def _rows(batch: Any, r: int, dp: int) -> Any:
 def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, whole sequences: the loss of each data-parallel group's rows (each
     micro-batch's, with `gas` micro-batches per rank) is its mean over valid tokens,
-    gradients are the mean over the groups (what DDP with accumulation computes)."""
+    gradients are the mean over the groups (what DDP with accumulation computes).
+    Returns the STEPS losses (then, with case "eval", the first batch's loss after
+    training) and the parameters."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -96,6 +98,11 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
             opt.step()
             opt.zero_grad()
             losses.append(float(torch.stack(step_losses).mean()))
+        if case.get("eval"):  # the first batch's loss after training, without gradients
+            first = batches(case["model"], case["seq"], pairs=case.get("pairs", False))[0]
+            with torch.no_grad():
+                groups = [_reference_loss(model, _rows(first, r, dp)) for r in range(dp)]
+            losses.append(float(torch.stack(groups).mean()))
         return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         torch.set_num_threads(threads)
@@ -124,10 +131,16 @@ def fsdpx_run(case: dict[str, Any]) -> dict[str, Any]:
     dp, r = dp_mesh.size(), dp_mesh.get_local_rank()
     gas = case.get("gas", 1)
     losses = []
-    for batch in batches(case["model"], case["seq"], pairs=case.get("pairs", False)):
+    data = batches(case["model"], case["seq"], pairs=case.get("pairs", False))
+
+    def micro(batch: Any) -> list[Any]:
         # This rank's rows, as `gas` micro-batches (reference(): groups r*gas ... r*gas+gas-1).
-        micro = [_rows(batch, r * gas + j, dp * gas) for j in range(gas)]
-        losses.append(float(engine.train_batch(iter(micro))))
+        return [_rows(batch, r * gas + j, dp * gas) for j in range(gas)]
+
+    for batch in data:
+        losses.append(float(engine.train_batch(iter(micro(batch)))))
+    if case.get("eval"):
+        losses.append(float(engine.eval_batch(iter(micro(data[0])))))
     # Under pipeline parallelism a rank holds only its stages' parameters.
     params = {n: p.full_tensor().detach().clone() for n, p in engine.module.named_parameters()}
     return {"losses": losses, "params": params}

@@ -1,6 +1,6 @@
 """Sequence parallelism with pipeline parallelism (mesh pp 2 x sp 2 on 4 gloo ranks) against
 one process on the whole sequences: losses and parameters after 3 SGD steps of 2
-micro-batches each ([Note: sp under pipeline parallelism] in fsdpx/sequence/plan.py).
+micro-batches each (and an eval_batch loss) ([Note: sp under pipeline parallelism] in fsdpx/sequence/plan.py).
 Each rank holds its stage's parameters only; together the two stages hold the model.
 fp32, torch's default tolerances (the sharded attention sums in another order)."""
 
@@ -39,7 +39,8 @@ def test_ulysses_pp2_sp2_matches_single_process() -> None:
     cases = {
         # RoPE in every block: position_ids must reach the second stage too. seq 15:
         # padded to 16 by shard_batch (with a warning); -100 labels spread unevenly over
-        # the shards; GQA; activation checkpointing re-enters Ulysses in recompute.
+        # the shards; GQA; activation checkpointing re-enters Ulysses in recompute; then
+        # eval_batch through the schedule.
         "llama_kv2_1f1b_ac": {
             "model": "llama_kv2",
             "pairs": True,
@@ -47,6 +48,7 @@ def test_ulysses_pp2_sp2_matches_single_process() -> None:
             "mesh": PP_SP,
             "gas": 2,
             "ac": "full",
+            "eval": True,
         },
     }
     results = run_ranks(sp_bodies.sweep_body, 4, args=(cases,))
