@@ -240,12 +240,14 @@ class Engine:
             batches = [
                 next_batch(data_iter) for _ in range(self.config.gradient_accumulation_steps)
             ]
-            loss = self._pipeline.step(batches, self.loss_scaler.scale, self.device)
+            loss = self._pipeline.step(
+                batches, self.loss_scaler.scale, self.device, sequence=self._sequence
+            )
             if self.telemetry is not None:
                 self.telemetry.observe_loss(loss)
             self.micro_steps += self.config.gradient_accumulation_steps - 1
             self.step()  # the boundary: overflow check, clipping, optimizer
-            return self.all_reduce_mean(loss)
+            return self.all_reduce_mean(self._whole_loss(loss))
         total = torch.zeros((), device=self.device)
         for _ in range(self.config.gradient_accumulation_steps):
             with loss_context(self._loss_parallel):
@@ -272,7 +274,8 @@ class Engine:
         try:
             if self._pipeline is not None:
                 batches = [next(data_iter) for _ in range(gas)]
-                return self.all_reduce_mean(self._pipeline.evaluate(batches, self.device))
+                loss = self._pipeline.evaluate(batches, self.device, sequence=self._sequence)
+                return self.all_reduce_mean(self._whole_loss(loss))
             total = torch.zeros((), device=self.device)
             with torch.no_grad():
                 for _ in range(gas):

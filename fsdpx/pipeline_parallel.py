@@ -12,9 +12,10 @@ model is cut into stage modules: [Note: stage modules] in fsdpx/pipeline_split.p
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from fsdpx.pipeline_split import (
     stage_copies,
     stage_ids,
 )
+
+if TYPE_CHECKING:
+    from fsdpx.sequence.plan import SequencePlan
 
 SINGLE_STAGE = frozenset({"GPipe", "1F1B"})
 V_SHAPED = frozenset({"ZBVZeroBubble", "DualPipeV"})
@@ -102,49 +106,87 @@ class PipelineRunner:
         self._pp_group = pp_group
         self._last_stage_rank = last_stage_rank
         self._scale = 1.0
+        self._sequence: SequencePlan | None = None
 
     def scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
         """The schedule's loss: the user's loss times loss_scale / micro-batches, as
         engine.backward scales it (in fp32: a 16-bit loss times the scale overflows).
         Scaling here rather than with the schedule's scale_grads keeps the fp16 activation
-        gradients as large as without the pipeline, not micro-batches times larger."""
-        loss = self._loss_fn(output, target).float()
+        gradients as large as without the pipeline, not micro-batches times larger.
+        Under mesh.sp > 1 the loss is this rank's share ([Note: sp under pipeline
+        parallelism])."""
+        if self._sequence is None:
+            loss = self._loss_fn(output, target).float()
+        else:
+            count = self._sequence.count_targets(target)
+            loss = self._loss_fn(output, target, num_items_in_batch=count).float()
         return loss * self._scale if self._scale != 1.0 else loss
 
-    def step(self, batches: Sequence[Any], loss_scale: float, device: torch.device) -> torch.Tensor:
-        """Forward and backward of `batches` (one per micro-batch) through the schedule.
+    def step(
+        self,
+        batches: Sequence[Any],
+        loss_scale: float,
+        device: torch.device,
+        sequence: SequencePlan | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of `batches` (one per micro-batch) through the schedule;
+        under mesh.sp > 1 (`sequence`) each batch holds whole sequences and this rank runs
+        its share of them ([Note: sp under pipeline parallelism]).
 
         Returns:
-            The mean unscaled loss of the micro-batches, on every rank of the pp group.
+            The mean unscaled loss of the micro-batches (under sp: this rank's share of
+            it), on every rank of the pp group.
         """
-        return self._run(self.schedule.step, batches, loss_scale / len(batches), device)
+        return self._run(self.schedule.step, batches, loss_scale / len(batches), device, sequence)
 
-    def evaluate(self, batches: Sequence[Any], device: torch.device) -> torch.Tensor:
+    def evaluate(
+        self,
+        batches: Sequence[Any],
+        device: torch.device,
+        sequence: SequencePlan | None = None,
+    ) -> torch.Tensor:
         """Forward only: `batches` through the schedule without gradients.
 
         Returns:
-            The mean loss of the micro-batches, on every rank of the pp group.
+            The mean loss of the micro-batches (under sp: this rank's share), on every
+            rank of the pp group.
         """
         with torch.no_grad():
-            return self._run(self.schedule.eval, batches, 1.0, device)
+            return self._run(self.schedule.eval, batches, 1.0, device, sequence)
 
     def _run(
-        self, run: Callable[..., Any], batches: Sequence[Any], scale: float, device: torch.device
+        self,
+        run: Callable[..., Any],
+        batches: Sequence[Any],
+        scale: float,
+        device: torch.device,
+        sequence: SequencePlan | None,
     ) -> torch.Tensor:
         if any(not isinstance(b, (tuple, list)) or len(b) != 2 for b in batches):
             raise ValueError(
                 "under pipeline parallelism every batch must be an (inputs, targets) pair: "
                 "the first stage reads inputs, the last stage targets"
             )
-        x = torch.cat([b[0] for b in batches]).to(device)
-        y = torch.cat([b[1] for b in batches]).to(device)
-        self._scale = scale
-        losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"return_outputs": False}
+        if sequence is None:
+            x = torch.cat([b[0] for b in batches]).to(device)
+            y = torch.cat([b[1] for b in batches]).to(device)
+        else:
+            shards = [sequence.shard(tuple(b)) for b in batches]
+            x = torch.cat([s["input"] for s in shards]).to(device)
+            y = torch.cat([s["target"] for s in shards]).to(device)
+            # A keyword argument of the schedule reaches every stage's forward, split by
+            # micro-batch as the inputs are: RoPE in any block sees global positions.
+            kwargs["position_ids"] = torch.cat([s["position_ids"] for s in shards]).to(device)
+            scale *= sequence.size  # [Note: sp gradient scale] in fsdpx/sequence/plan.py
+        self._scale = scale
+        self._sequence = sequence
+        losses: list[torch.Tensor] = []
         if self.has_last:
             kwargs.update(target=y, losses=losses)
         args = (x,) if self.has_first else ()
-        run(*args, **kwargs)
+        with sequence.context() if sequence is not None else contextlib.nullcontext():
+            run(*args, **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=device)
         if self.has_last:
             total = torch.stack([t.detach().float() for t in losses]).mean() / self._scale

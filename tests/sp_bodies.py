@@ -4,6 +4,7 @@ mesh.sp > 1 and in one process on the whole sequences. Importable by spawned ran
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -31,19 +32,21 @@ def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
         return GPT(GPT_CFG)
+    if kind == "gpt4":  # 4 blocks: one per stage of a 2 x 2-stage V pipeline schedule
+        return GPT(dataclasses.replace(GPT_CFG, n_layer=4))
     kv = {"llama_kv2": 2, "llama_kv1": 1}[kind]
     return TinyLlama(vocab=VOCAB, dim=32, heads=4, kv_heads=kv)
 
 
-def batches(kind: str, seq: int) -> list[Any]:
-    """STEPS global batches. gpt: (x, y) with aligned targets; llama: Hugging Face-style
-    {"input_ids", "labels"} (labels = inputs, shifted by shard_batch). Both carry -100
-    labels spread unevenly over the sequence shards."""
+def batches(kind: str, seq: int, *, pairs: bool = False) -> list[Any]:
+    """STEPS global batches. gpt (or `pairs`): (x, y) with aligned targets; llama: Hugging
+    Face-style {"input_ids", "labels"} (labels = inputs, shifted by shard_batch). Both carry
+    -100 labels spread unevenly over the sequence shards."""
     g = torch.Generator().manual_seed(1)
     out: list[Any] = []
     for step in range(STEPS):
         x = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
-        if kind == "gpt":
+        if kind.startswith("gpt") or pairs:
             y = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
             y[0, : seq * 2 // 3] = -100  # all of the first shard, part of the next
             y[1, -3:] = -100  # right padding
@@ -74,16 +77,19 @@ def _rows(batch: Any, r: int, dp: int) -> Any:
 
 
 def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, whole sequences: the loss of each data-parallel group's rows is its
-    mean over valid tokens, gradients are the mean over the groups (what DDP computes)."""
+    """One process, whole sequences: the loss of each data-parallel group's rows (each
+    micro-batch's, with `gas` micro-batches per rank) is its mean over valid tokens,
+    gradients are the mean over the groups (what DDP with accumulation computes).
+    Returns the STEPS losses (then, with case "eval", the first batch's loss after
+    training) and the parameters."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = make_model(case["model"])
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        dp = case.get("dp", 1)
+        dp = case.get("dp", 1) * case.get("gas", 1)
         losses = []
-        for batch in batches(case["model"], case["seq"]):
+        for batch in batches(case["model"], case["seq"], pairs=case.get("pairs", False)):
             step_losses = []
             for r in range(dp):
                 loss = _reference_loss(model, _rows(batch, r, dp))
@@ -92,6 +98,11 @@ def reference(case: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor
             opt.step()
             opt.zero_grad()
             losses.append(float(torch.stack(step_losses).mean()))
+        if case.get("eval"):  # the first batch's loss after training, without gradients
+            first = batches(case["model"], case["seq"], pairs=case.get("pairs", False))[0]
+            with torch.no_grad():
+                groups = [_reference_loss(model, _rows(first, r, dp)) for r in range(dp)]
+            losses.append(float(torch.stack(groups).mean()))
         return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         torch.set_num_threads(threads)
@@ -101,6 +112,8 @@ def _config(case: dict[str, Any]) -> fsdpx.Config:
     return fsdpx.Config.from_dict(
         {
             "mesh": case["mesh"],
+            "gradient_accumulation_steps": case.get("gas", 1),
+            **({"pipeline": case["pipeline"]} if "pipeline" in case else {}),
             "optimizer": {"type": "sgd", "lr": LR},
             "activation_checkpointing": {"mode": case.get("ac", "none")},
             "context_parallel": {
@@ -116,9 +129,19 @@ def fsdpx_run(case: dict[str, Any]) -> dict[str, Any]:
     engine = fsdpx.shard(make_model(case["model"]), _config(case), loss_fn=fsdpx.sequence.loss_fn)
     dp_mesh = ParallelDims.dp_mesh(engine.mesh)
     dp, r = dp_mesh.size(), dp_mesh.get_local_rank()
+    gas = case.get("gas", 1)
     losses = []
-    for batch in batches(case["model"], case["seq"]):
-        losses.append(float(engine.train_batch(iter([_rows(batch, r, dp)]))))
+    data = batches(case["model"], case["seq"], pairs=case.get("pairs", False))
+
+    def micro(batch: Any) -> list[Any]:
+        # This rank's rows, as `gas` micro-batches (reference(): groups r*gas ... r*gas+gas-1).
+        return [_rows(batch, r * gas + j, dp * gas) for j in range(gas)]
+
+    for batch in data:
+        losses.append(float(engine.train_batch(iter(micro(batch)))))
+    if case.get("eval"):
+        losses.append(float(engine.eval_batch(iter(micro(data[0])))))
+    # Under pipeline parallelism a rank holds only its stages' parameters.
     params = {n: p.full_tensor().detach().clone() for n, p in engine.module.named_parameters()}
     return {"losses": losses, "params": params}
 

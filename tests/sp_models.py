@@ -58,7 +58,8 @@ class Block(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    """forward(input_ids, position_ids=None) -> logits."""
+    """forward(input_ids, position_ids=None) -> logits. A pipeline stage of it (embed,
+    norm or lm_head None: fsdpx/pipeline_split.py) takes and returns hidden states."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
         super().__init__()
@@ -69,17 +70,21 @@ class TinyLlama(nn.Module):
         self.head_dim = dim // heads
 
     def forward(self, input_ids: Tensor, *, position_ids: Tensor | None = None) -> Tensor:
-        return self.lm_head(self.hidden(input_ids, position_ids=position_ids))
+        x = self.hidden(input_ids, position_ids=position_ids)
+        return x if self.lm_head is None else self.lm_head(x)
 
     def hidden(self, input_ids: Tensor, *, position_ids: Tensor | None = None) -> Tensor:
         """The final hidden states (after the last norm), for a tiled loss."""
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+            batch, seq = input_ids.shape[:2]
+            position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        half = torch.arange(0, self.head_dim, 2, device=position_ids.device).float()
+        inv = 1.0 / (10000 ** (half / self.head_dim))
         angles = position_ids[..., None].float() * inv
         angles = torch.cat([angles, angles], dim=-1)  # (batch, seq, head_dim)
         cos, sin = angles.cos(), angles.sin()
-        x = self.embed(input_ids)
+        # On a later pipeline stage the input is the previous stage's hidden states.
+        x = input_ids if self.embed is None else self.embed(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)

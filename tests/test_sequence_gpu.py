@@ -3,13 +3,19 @@ untiled, and the peak memory of forward + backward (torch.cuda.max_memory_alloca
 
 Run with `pytest -m gpu tests/test_sequence_gpu.py` on a machine with a GPU. Ulysses and
 ring attention (context_parallel.mode "ring") need two or more ranks: their parity tests
-run on CPU/gloo (tests/test_sequence_parallel.py, tests/test_sequence_ring.py).
+run on CPU/gloo (tests/test_sequence_parallel.py, tests/test_sequence_ring.py); here the
+ring's blockwise kernel runs on CUDA on one rank, and benchmarks/long_context.py's
+`--device cuda` form runs at small sizes.
 """
 
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +113,32 @@ def test_ring_attention_kernel_on_cuda_matches_sdpa() -> None:
             ("out", "dq", "dk", "dv"), result[name]["diffs"], result[name]["scales"], strict=True
         ):
             assert diff <= tolerance * max(scale, 1.0), f"{name} {what}: {diff} vs {scale}"
+
+
+def test_long_context_benchmark_on_cuda_reports_less_peak_memory_when_tiled() -> None:
+    """benchmarks/long_context.py --device cuda (one rank): it runs, and at the longest
+    sweep length the tiled layout's peak (torch.cuda.max_memory_allocated over the steps)
+    is below the untiled one's (the full logits alone are 8192 x 4096 x 4 bytes = 128 MiB,
+    their gradient as much)."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(root / "benchmarks" / "long_context.py"),
+        *("--device", "cuda", "--dim", "256", "--mlp-tile", "1024", "--seq", "2048"),
+        *("--budget-mib", "256", "--sweep", "2048", "8192", "--steps", "2"),
+    ]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    print(proc.stdout)
+    num = r"\d+\.\d+"
+    peaks = {}
+    for tile in (0, 1024):
+        cell = rf"\s+{num}\s+{num}\s+(\d+)"
+        row = re.search(rf"^\s+1\s+{tile}{cell}{cell}$", proc.stdout, re.MULTILINE)
+        assert row, f"no sweep row for tile {tile} in:\n{proc.stdout}"
+        peaks[tile] = int(row.group(2))  # MiB at 8192 tokens
+    assert peaks[1024] < peaks[0], peaks

@@ -8,6 +8,19 @@ dp_replicate), which would divide that sum by sp: engine.backward multiplies the
 so the average over the sp ranks is their sum, and the average over the data-parallel
 ranks stays the usual mean over samples. The reported loss (train_batch, eval_batch) is
 the sum of the shares over the sp group, then the mean over the data-parallel ranks.
+
+[Note: sp under pipeline parallelism] Under mesh.pp > 1 the schedule, not the engine, runs
+forward, loss and backward (fsdpx/pipeline_parallel.py's PipelineRunner), so the runner
+takes the plan: it shards each (inputs, targets) batch as train_batch does, hands
+`position_ids` to the schedule as a keyword argument (torch's schedules split it by
+micro-batch and pass it to every stage, so a block's RoPE on any stage sees global
+positions), runs the schedule inside `context()` (the sp collectives of a stage's
+attention run between its pipeline sends and receives; the sp ranks of one stage run the
+same schedule, so they meet in the same order) and multiplies its loss scale by sp. The
+last stage's loss gets `num_items_in_batch` from `count_targets`: the schedule hands the
+loss function one micro-batch's targets and nothing else, so the whole sequence's count is
+the sum of the shards' counts over the sp group (padding adds only -100 labels), one small
+all-reduce per micro-batch, where train_batch reads it from shard_batch.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpx.config import Config
 from fsdpx.parallel_dims import Axis, ParallelDims
-from fsdpx.sequence.batch import shard_sequence
+from fsdpx.sequence.batch import IGNORE_INDEX, shard_sequence
 from fsdpx.sequence.hf_model import is_hf_model
 from fsdpx.sequence.ring import RingSDPA
 from fsdpx.sequence.ulysses import UlyssesSDPA
@@ -75,6 +88,13 @@ class SequencePlan:
             out = module(**shard)
             return out["loss"] if isinstance(out, Mapping) else out
 
+    def count_targets(self, targets: Tensor) -> Tensor:
+        """Valid targets of the whole sequences whose shards `targets` are (a collective
+        over the sp group; [Note: sp under pipeline parallelism])."""
+        count = (targets != IGNORE_INDEX).sum()
+        dist.all_reduce(count, group=self.group)
+        return count
+
     def sum_shares(self, loss: Tensor) -> Tensor:
         """The loss of the whole sequence from each rank's share (for reporting)."""
         total = loss.detach().float().clone()
@@ -119,11 +139,6 @@ def check_sequence_config(
             "mesh.sp > 1 shards the weights over dp_shard x sp (the sp ranks are "
             "data-parallel ranks for the weights), so it needs zero.stage 1, 2 or 3; got "
             "stage 0"
-        )
-    if dims.pp > 1:
-        raise NotImplementedError(
-            f"mesh.sp = {dims.sp} with pipeline parallelism (mesh.pp = {dims.pp}) is not "
-            "implemented yet; use mesh.pp = 1"
         )
     if model is not None and is_hf_model(model) and cfg.context_parallel.mode == "ulysses":
         # Ring attention has no head constraint: each rank keeps every (tp-local) head.
