@@ -122,10 +122,12 @@ def test_dry_run_commands_for_ssh_and_slurm(
     assert ssh == (
         "# node 0 (worker-1)\n"
         f"ssh -o BatchMode=yes worker-1 'cd {cwd}; {exports}; export FSDPX_NODE=0; "
-        f"export FSDPX_NODE_HOST=worker-1; {torchrun}'\n"
+        f"export FSDPX_NODE_HOST=worker-1; export FSDPX_RDZV_ENDPOINT=worker-1:29600; "
+        f"{torchrun}'\n"
         "# node 1 (worker-2)\n"
         f"ssh -o BatchMode=yes worker-2 'cd {cwd}; {exports}; export FSDPX_NODE=1; "
-        f"export FSDPX_NODE_HOST=worker-2; {torchrun}'\n"
+        f"export FSDPX_NODE_HOST=worker-2; export FSDPX_RDZV_ENDPOINT=worker-1:29600; "
+        f"{torchrun}'\n"
     )
     slurm_args = [*common, "--launcher", "slurm", "--launcher_args=--partition=gpu"]
     slurm = dry_run_text(
@@ -134,7 +136,8 @@ def test_dry_run_commands_for_ssh_and_slurm(
     assert slurm == (
         "# node 0 (worker-1,worker-2)\n"
         "srun --nodes=2 --ntasks-per-node=1 --nodelist=worker-1,worker-2 --kill-on-bad-exit=1 "
-        f"--partition=gpu bash -c 'cd {cwd}; {exports}; export FSDPX_NODE=$SLURM_NODEID "
+        f"--partition=gpu bash -c 'cd {cwd}; {exports}; "
+        "export FSDPX_RDZV_ENDPOINT=worker-1:29600; export FSDPX_NODE=$SLURM_NODEID "
         f"FSDPX_NODE_HOST=$SLURMD_NODENAME; {torchrun}'\n"
     )
 
