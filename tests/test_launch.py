@@ -281,3 +281,37 @@ def test_killing_one_nodes_agent_stops_the_other(tmp_path: Path) -> None:
     stdout, stderr = proc.communicate()
     assert proc.returncode == 128 + signal.SIGKILL, stderr + stdout
     assert "fsdpx launch: node 1 (127.0.0.1) ended with signal SIGKILL" in stderr, stderr
+
+
+@pytest.mark.slow
+def test_launched_ranks_publish_their_relays_in_the_rendezvous_store(tmp_path: Path) -> None:
+    """Relay discovery through a real launch: the two agents' c10d rendezvous store (at
+    --master_addr:--master_port, FSDPX_RDZV_ENDPOINT) holds both nodes' relays, and a
+    monitor reading it reaches each node's rank ([Note: relay discovery]). Default-tier
+    twin: tests/test_telemetry_discovery.py (the store hosted by the test)."""
+    from fsdpx.telemetry.wire.transport import connect
+    from monitor.discover import relays_from_store
+
+    proc, out = _launch(tmp_path, "local", 1, "relays")
+    try:
+        while not (out / "published").exists():  # a state: rank 0 has published
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        endpoint = (out / "published").read_text()
+        entries = relays_from_store(endpoint, timeout_s=60.0)
+        assert [(e.node, e.host) for e in entries] == [(0, "localhost"), (1, "127.0.0.1")]
+        assert sorted(r for e in entries for r in e.ranks) == [0, 1]
+        for entry in entries:
+            conn = connect(entry.address, role="monitor", secret=None, timeout_s=60.0)
+            seen: dict[int, object] = {}
+            while entry.ranks[0] not in seen:  # the node's rank, through its relay
+                for message in conn.receive(timeout_s=1.0):
+                    for rec in message.get("records") or []:
+                        seen[rec["rank"]] = rec.get("node")
+                assert proc.poll() is None, proc.communicate()
+            conn.close()
+            assert seen == {entry.ranks[0]: entry.node}
+    finally:
+        (out / "monitor_done").write_text("")
+        stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr + stdout
