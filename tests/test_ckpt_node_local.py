@@ -237,7 +237,7 @@ def test_deepspeed_use_node_local_storage_maps_to_node_local() -> None:
         fsdpx.Config.from_deepspeed(ds, world_size=1)
 
 
-HSDP_PP = {
+HSDP_PP: dict[str, dict[str, Any]] = {
     # HSDP as run across nodes: each node's two ranks shard one replica.
     "hsdp": {"mesh": {"dp_replicate": 2, "dp_shard": 2}},
     # Pipeline stages across nodes: one stage per node, sharded over its two ranks.
