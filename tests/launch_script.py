@@ -7,6 +7,7 @@ MODE ``train``: ZeRO-3 training of the parity GPT (tests/parity.py); every rank 
 losses; rank 0 also writes the final parameters' sums. ``fail``: the rank on launcher
 node 1 raises after the first barrier. ``hang``: the node-1 rank writes its torchrun
 agent's pid to ``agent1.pid``, then every rank waits in a barrier that never completes.
+``hold``: as ``hang``, but every rank waits for a ``release`` file no test writes.
 ``relays``: telemetry on, each node's rank running its node's relay on a loopback port of
 its own; once `fsdpx.shard` has published the relays, rank 0 writes the rendezvous
 endpoint to ``published``, and every rank waits for the test (the monitor) to write
@@ -58,6 +59,14 @@ def main() -> None:
             tmp.rename(out / "agent1.pid")  # whole, once it exists
         if mode == "hang":
             dist.barrier()  # the node-1 agent is killed first: this never completes
+        if mode == "hold":  # until the test stops the job (bounded: a failed test ends)
+            import time
+
+            (out / f"pid{info['rank']}").write_text(str(os.getpid()))
+
+            deadline = time.monotonic() + 300
+            while not (out / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
     (out / f"rank{info['rank']}.json").write_text(json.dumps(info))
     print(f"rank {info['rank']} done", flush=True)
 

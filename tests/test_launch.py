@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -221,6 +222,15 @@ def _check_training(out: Path, world: int, ranks_per_node: int) -> None:
         assert sums[name] == pytest.approx(float(p.double().sum()), rel=1e-4, abs=1e-4), name
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's end, waiting for init)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat_line.rpartition(")")[2].split()[0] != "Z"
+
+
 def _ranks_by_host(out: Path) -> list[tuple[str, str]]:
     infos = [json.loads(p.read_text()) for p in out.glob("rank*.json")]
     return [(info["host"], info["rank"]) for info in infos]
@@ -281,6 +291,35 @@ def test_killing_one_nodes_agent_stops_the_other(tmp_path: Path) -> None:
     stdout, stderr = proc.communicate()
     assert proc.returncode == 128 + signal.SIGKILL, stderr + stdout
     assert "fsdpx launch: node 1 (127.0.0.1) ended with signal SIGKILL" in stderr, stderr
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_reaches_every_node(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM to `fsdpx launch` goes to every agent and so their ranks
+    (each waiting for a file no one writes): the job ends, naming the node whose agent
+    ended first, with no agent or rank left running."""
+    proc, out = _launch(tmp_path, "local", 1, "hold")
+    pid_file = out / "agent1.pid"
+    # A state: both ranks are up and holding.
+    while not (pid_file.exists() and (out / "pid0").exists() and (out / "pid1").exists()):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    ranks = [int((out / f"pid{r}").read_text()) for r in (0, 1)]
+    agent1 = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate()
+    assert proc.returncode != 0, stderr + stdout
+    assert re.search(
+        r"fsdpx launch: node [01] \((localhost|127\.0\.0\.1)\) ended with .*; stopped the "
+        "other nodes",
+        stderr,
+    ), stderr
+    with pytest.raises(ProcessLookupError):  # reaped by the launcher, not left running
+        os.kill(agent1, 0)
+    # Each agent stops and waits for its ranks before it exits.
+    assert not [pid for pid in ranks if _running(pid)]
+    # The ranks (their files appear only once released) never finished.
+    assert not list(out.glob("rank*.json"))
 
 
 @pytest.mark.slow
