@@ -127,3 +127,62 @@ def test_monitor_discovery_errors_say_what_to_do(tmp_path: Path) -> None:
     store.set(STORE_KEY, "not json")
     with pytest.raises(ValueError, match="the rendezvous store at .* is not a relay list"):
         relays_from_store(f"127.0.0.1:{store.port}", timeout_s=5.0)
+
+
+def _announce(monkeypatch: pytest.MonkeyPatch, **cfg: object) -> None:
+    """announce_relays in this one process (world size 1, no process group)."""
+    import types
+
+    import torch
+
+    from fsdpx.config import TelemetryConfig
+    from fsdpx.distributed import DistInfo
+    from fsdpx.telemetry.announce import announce_relays
+
+    monkeypatch.setenv("FSDPX_NODE_HOST", "node-0")
+    publisher = types.SimpleNamespace(
+        address=parse_address("0.0.0.0:7077"), node=0, run=types.SimpleNamespace(run_id="r1")
+    )
+    info = DistInfo(0, 1, 0, torch.device("cpu"))
+    announce_relays(publisher, TelemetryConfig(**cfg), info)  # type: ignore[arg-type]
+
+
+def test_a_list_that_cannot_be_published_is_logged_not_raised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import socket
+
+    import fsdpx.telemetry.announce as announce
+
+    with socket.socket() as closed:  # a port nothing listens on once closed
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("FSDPX_RDZV_ENDPOINT", f"127.0.0.1:{port}")
+    monkeypatch.setattr(announce, "STORE_TIMEOUT_S", 0.5)  # only shortens the failing wait
+    missing = tmp_path / "no-such-dir" / "relays.json"
+    with caplog.at_level("WARNING", logger="fsdpx.telemetry"):
+        _announce(monkeypatch, discovery_file=str(missing))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        f"could not write the relay list to telemetry.discovery_file={str(missing)!r}" in m
+        for m in messages
+    ), messages
+    assert any(
+        f"could not publish the relay list in the rendezvous store at 127.0.0.1:{port}" in m
+        for m in messages
+    ), messages
+
+
+def test_publish_relays_false_leaves_the_store_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("FSDPX_RDZV_ENDPOINT", f"127.0.0.1:{store.port}")
+    _announce(monkeypatch, publish_relays=False, discovery_file=str(tmp_path / "r.json"))
+    assert not store.check([STORE_KEY])
+    # The file is still written; a wildcard listener appears under the node's host.
+    assert relays_from_file(tmp_path / "r.json", timeout_s=0.0) == [
+        RelayEntry(0, "node-0", "tcp://node-0:7077", (0,))
+    ]
+    _announce(monkeypatch)
+    assert parse_relay_list(store.get(STORE_KEY), "store")[0].address == "tcp://node-0:7077"
