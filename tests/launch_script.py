@@ -7,6 +7,8 @@ MODE ``train``: ZeRO-3 training of the parity GPT (tests/parity.py); every rank 
 losses; rank 0 also writes the final parameters' sums. ``fail``: the rank on launcher
 node 1 raises after the first barrier. ``hang``: the node-1 rank writes its torchrun
 agent's pid to ``agent1.pid``, then every rank waits in a barrier that never completes.
+``die``: the rank on launcher node 1 kills itself with SIGKILL after the first barrier;
+node 0's rank waits in a barrier that never completes.
 ``hold``: as ``hang``, but every rank waits for a ``release`` file no test writes.
 ``relays``: telemetry on, each node's rank running its node's relay on a loopback port of
 its own; once `fsdpx.shard` has published the relays, rank 0 writes the rendezvous
@@ -54,11 +56,15 @@ def main() -> None:
             (out / "node1_rank").write_text(info["rank"])
             if mode == "fail":
                 raise ValueError(f"bad batch on node {node}")
+            if mode == "die":  # killed outright: no exception, no word from the rank
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
             tmp = out / "agent1.pid.tmp"
             tmp.write_text(str(os.getppid()))
             tmp.rename(out / "agent1.pid")  # whole, once it exists
-        if mode == "hang":
-            dist.barrier()  # the node-1 agent is killed first: this never completes
+        if mode in ("hang", "die"):
+            dist.barrier()  # node 1's agent or rank is killed first: this never completes
         if mode == "hold":  # until the test stops the job (bounded: a failed test ends)
             import time
 

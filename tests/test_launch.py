@@ -294,6 +294,23 @@ def test_killing_one_nodes_agent_stops_the_other(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_rank_killed_outright_stops_every_node_and_is_named(tmp_path: Path) -> None:
+    """SIGKILL leaves the rank no chance to say anything: torchrun's summary on its node
+    still names it, and node 0 (its rank waiting in a barrier) ends too, with node 1
+    named as the job's failure."""
+    proc, out = _launch(tmp_path, "local", 1, "die")
+    stdout, stderr = proc.communicate()
+    assert proc.returncode == 1, stderr + stdout
+    rank = (out / "node1_rank").read_text()
+    assert (
+        f"fsdpx launch: node 1 (127.0.0.1) ended with exit code 1; rank {rank} failed first"
+        in stderr
+    ), stderr
+    assert "Signal 9 (SIGKILL)" in stdout + stderr
+    assert not list(out.glob("rank*.json"))  # node 0's rank was stopped, never finished
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_reaches_every_node(tmp_path: Path) -> None:
     """A scheduler's SIGTERM to `fsdpx launch` goes to every agent and so their ranks
     (each waiting for a file no one writes): the job ends, naming the node whose agent
