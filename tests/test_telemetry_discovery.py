@@ -186,3 +186,13 @@ def test_publish_relays_false_leaves_the_store_alone(
     ]
     _announce(monkeypatch)
     assert parse_relay_list(store.get(STORE_KEY), "store")[0].address == "tcp://node-0:7077"
+
+
+def test_the_monitor_command_reports_a_missing_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from monitor.cli import main
+
+    argv = ["--discovery", str(tmp_path / "none.json"), "--discover-timeout", "0"]
+    assert main(argv) == 2
+    assert "fsdpx-monitor: error: no relay list at" in capsys.readouterr().err
