@@ -141,6 +141,16 @@ def test_dry_run_commands_for_ssh_and_slurm(
         "export FSDPX_RDZV_ENDPOINT=worker-1:29600; export FSDPX_NODE=$SLURM_NODEID "
         f"FSDPX_NODE_HOST=$SLURMD_NODENAME; {torchrun}'\n"
     )
+    # No hostfile (none given, no /job/hostfile): this machine, its agent started directly
+    # with the exports in its environment.
+    local = dry_run_text(build_commands(plan_from_args(parse(["--num_gpus", "2", "train.py"]))))
+    assert local == (
+        "# node 0 (localhost)\n"
+        f"FSDPX_RUN_ID=job7 NCCL_SOCKET_IFNAME=eth0 HF_HOME=/data/hf PYTHONPATH={cwd} "
+        "FSDPX_NODE=0 FSDPX_NODE_HOST=localhost FSDPX_RDZV_ENDPOINT=localhost:29500 "
+        f"{py} -m torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "
+        "--rdzv-endpoint=localhost:29500 --rdzv-id=job7 train.py\n"
+    )
 
 
 # --- real launches: two simulated nodes on this machine ----------------------------------
