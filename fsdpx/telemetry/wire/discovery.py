@@ -10,7 +10,9 @@ the list, once, in two places:
 
 - the rendezvous store: key STORE_KEY of the TCPStore at `FSDPX_RDZV_ENDPOINT` (what
   `fsdpx launch` sets: its `--master_addr:--master_port`, where torchrun's c10d
-  rendezvous store lives for the whole job), else at `MASTER_ADDR:MASTER_PORT`; read by
+  rendezvous store lives for the whole job; with plain torchrun, export it as the
+  `--rdzv-endpoint`), else at `MASTER_ADDR:MASTER_PORT` (under torchrun a port torchrun
+  picks for the workers' store, which a user cannot easily name); read by
   `fsdpx-monitor --rendezvous HOST:PORT`;
 - a file, when `telemetry.discovery_file` names one (written whole, then renamed into
   place, so a reader never sees half a list); read by `fsdpx-monitor --discovery FILE`.
