@@ -1,6 +1,9 @@
 """The `fsdpx-monitor` command.
 
     fsdpx-monitor [ADDR ...]                 watch relays live (default: this node's relay)
+    fsdpx-monitor --rendezvous HOST:PORT     every relay the job published in its
+                                             rendezvous store (needs torch here)
+    fsdpx-monitor --discovery FILE           every relay in telemetry.discovery_file
     fsdpx-monitor replay RUN.tlm             replay a relay's log (space, arrows, [ ])
     fsdpx-monitor export RUN.tlm --csv DIR   one CSV row per run-rank-step (+ events.csv)
                                              (--run RUN: one run of the log)
@@ -24,10 +27,11 @@ import gc
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from fsdpx.telemetry.wire.logfile import iter_log
 from fsdpx.telemetry.wire.transport import DEFAULT_SECRET_ENV, default_address, read_secret
+from monitor.discover import relays_from_file, relays_from_store
 
 if TYPE_CHECKING:
     from monitor.app import MonitorApp
@@ -72,6 +76,25 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
         default=DEFAULT_SECRET_ENV,
         metavar="NAME",
         help="environment variable holding the relays' shared secret",
+    )
+    live.add_argument(
+        "--rendezvous",
+        metavar="HOST:PORT",
+        help="follow every relay the job published in its rendezvous store (torchrun's "
+        "--rdzv-endpoint; needs torch here)",
+    )
+    live.add_argument(
+        "--discovery",
+        type=Path,
+        metavar="FILE",
+        help="follow every relay listed in the job's telemetry.discovery_file",
+    )
+    live.add_argument(
+        "--discover-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long to wait for the job to publish its relays (default 60)",
     )
     _add_thresholds(live)
 
@@ -187,7 +210,7 @@ def _run_app(command: str, args: argparse.Namespace) -> int:
                 paused=args.paused,
             )
         else:
-            addresses = args.addresses or [str(default_address())]
+            addresses = live_addresses(args)
             app = MonitorApp(
                 sources=addresses,
                 settings=settings,
@@ -198,6 +221,31 @@ def _run_app(command: str, args: argparse.Namespace) -> int:
         return _error(prog, str(exc))
     run_app(app)
     return EXIT_OK
+
+
+def live_addresses(args: argparse.Namespace, err: TextIO = sys.stderr) -> list[str]:
+    """The relays to follow: the ADDR arguments plus every relay the job published
+    (--rendezvous / --discovery); this node's relay when none is given.
+
+    Raises:
+        ValueError: the published list cannot be found or read (the message says why).
+    """
+    addresses = list(args.addresses)
+    found = []
+    if args.discovery is not None:
+        found += relays_from_file(args.discovery, args.discover_timeout)
+    if args.rendezvous is not None:
+        found += relays_from_store(args.rendezvous, args.discover_timeout)
+    for entry in found:
+        if entry.address not in addresses:
+            addresses.append(entry.address)
+            node = "?" if entry.node is None else entry.node
+            print(
+                f"fsdpx-monitor: node {node} ({entry.host}, {len(entry.ranks)} ranks): "
+                f"relay {entry.address}",
+                file=err,
+            )
+    return addresses or [str(default_address())]
 
 
 def run_app(app: MonitorApp) -> None:

@@ -7,6 +7,13 @@ MODE ``train``: ZeRO-3 training of the parity GPT (tests/parity.py); every rank 
 losses; rank 0 also writes the final parameters' sums. ``fail``: the rank on launcher
 node 1 raises after the first barrier. ``hang``: the node-1 rank writes its torchrun
 agent's pid to ``agent1.pid``, then every rank waits in a barrier that never completes.
+``die``: the rank on launcher node 1 kills itself with SIGKILL after the first barrier;
+node 0's rank waits in a barrier that never completes.
+``hold``: as ``hang``, but every rank waits for a ``release`` file no test writes.
+``relays``: telemetry on, each node's rank running its node's relay on a loopback port of
+its own; once `fsdpx.shard` has published the relays, rank 0 writes the rendezvous
+endpoint to ``published``, and every rank waits for the test (the monitor) to write
+``monitor_done``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ def main() -> None:
         info["losses"] = losses
         if dist.get_rank() == 0:
             info["param_sums"] = {n: float(p.double().sum()) for n, p in params.items()}
+    elif mode == "relays":
+        _relays(out)
     else:
         dist.init_process_group("gloo")
         dist.barrier()
@@ -47,13 +56,46 @@ def main() -> None:
             (out / "node1_rank").write_text(info["rank"])
             if mode == "fail":
                 raise ValueError(f"bad batch on node {node}")
+            if mode == "die":  # killed outright: no exception, no word from the rank
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
             tmp = out / "agent1.pid.tmp"
             tmp.write_text(str(os.getppid()))
             tmp.rename(out / "agent1.pid")  # whole, once it exists
-        if mode == "hang":
-            dist.barrier()  # the node-1 agent is killed first: this never completes
+        if mode in ("hang", "die"):
+            dist.barrier()  # node 1's agent or rank is killed first: this never completes
+        if mode == "hold":  # until the test stops the job (bounded: a failed test ends)
+            import time
+
+            (out / f"pid{info['rank']}").write_text(str(os.getpid()))
+
+            deadline = time.monotonic() + 300
+            while not (out / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
     (out / f"rank{info['rank']}.json").write_text(json.dumps(info))
     print(f"rank {info['rank']} done", flush=True)
+
+
+def _relays(out: Path) -> None:
+    import time
+
+    import fsdpx
+
+    telemetry = {"enabled": True, "relay": "127.0.0.1:0", "poll_interval_s": 0.05}
+    cfg = fsdpx.Config.from_dict({"telemetry": {**telemetry, "measure_flops": False}})
+    engine = fsdpx.shard(torch.nn.Linear(4, 1), cfg)
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    if dist.get_rank() == 0:
+        tmp = out / "published.tmp"
+        tmp.write_text(os.environ["FSDPX_RDZV_ENDPOINT"])
+        tmp.rename(out / "published")
+    deadline = time.monotonic() + 300  # only ends a test that has already failed
+    while not (out / "monitor_done").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.telemetry is not None
+    engine.telemetry.close()
 
 
 if __name__ == "__main__":

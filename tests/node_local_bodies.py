@@ -103,3 +103,42 @@ def save_and_load_body(rank: int, world_size: int, base: str) -> dict[str, Any]:
     out["s2"], out["gathered_load"] = _local(engine), _local(plain)
     out["full2"] = full_state(engine)
     return out
+
+
+def mesh_save_and_load_body(
+    rank: int, world_size: int, cfg_dict: dict[str, Any], base: str
+) -> dict[str, Any]:
+    """Node-local save under a mesh (HSDP or PP) on 2 simulated nodes, then in place into
+    a fresh engine (another init) and, gathered onto one directory, into another."""
+    from tests import tp_bodies
+    from tests.ckpt_bodies import _pp_train, _summary, pp_gpt
+
+    node = rank // RANKS_PER_NODE
+    os.environ["FSDPX_NODE_HOST"] = f"node-{node}"
+    root = node_root(base, rank)
+    local = fsdpx.Config.from_dict({**cfg_dict, "checkpoint": {"node_local": True}})
+    batches = tp_bodies.global_batches(3, local.gradient_accumulation_steps)
+    engine = fsdpx.shard(pp_gpt(), local, loss_fn=tp_bodies.lm_loss)
+    _pp_train(engine, batches[:2])
+    engine.save_checkpoint(root, tag="s1", client_state={"tag": "s1"})
+    out: dict[str, Any] = {"saved": _summary(engine)}
+    out["files"] = sorted(p.name for p in (root / "s1").iterdir())
+    out["next_loss"] = _pp_train(engine, batches[2:])
+
+    fresh = fsdpx.shard(pp_gpt(seed=7), local, loss_fn=tp_bodies.lm_loss)
+    _, out["client"] = fresh.load_checkpoint(root)
+    out["in_place"] = _summary(fresh)
+    out["in_place_next_loss"] = _pp_train(fresh, batches[2:])
+
+    dist.barrier()
+    gathered = Path(base) / "gathered"
+    if rank == 0:  # every node's rank files in one directory, with node 0's MANIFEST
+        shutil.copytree(node_root(base, 0) / "s1", gathered / "s1")
+        for n in range(1, world_size // RANKS_PER_NODE):
+            for f in (node_root(base, n * RANKS_PER_NODE) / "s1").glob("rank-*"):
+                shutil.copy2(f, gathered / "s1" / f.name)
+    dist.barrier()
+    plain = fsdpx.shard(pp_gpt(seed=9), fsdpx.Config.from_dict(cfg_dict), loss_fn=tp_bodies.lm_loss)
+    plain.load_checkpoint(gathered, tag="s1")
+    out["gathered"] = _summary(plain)
+    return out

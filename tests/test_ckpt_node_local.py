@@ -235,3 +235,44 @@ def test_deepspeed_use_node_local_storage_maps_to_node_local() -> None:
         ValueError, match=r"'checkpoint.node_local' must be true or false; got 'yes'"
     ):
         fsdpx.Config.from_deepspeed(ds, world_size=1)
+
+
+HSDP_PP: dict[str, dict[str, Any]] = {
+    # HSDP as run across nodes: each node's two ranks shard one replica.
+    "hsdp": {"mesh": {"dp_replicate": 2, "dp_shard": 2}},
+    # Pipeline stages across nodes: one stage per node, sharded over its two ranks.
+    "pp": {"mesh": {"pp": 2, "dp_shard": 2}, "pipeline": {"schedule": "1F1B"}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HSDP_PP))
+def test_node_local_under_hsdp_and_pp_loads_in_place_and_gathered(
+    case: str, tmp_path: Path
+) -> None:
+    from tests import tp_bodies
+
+    cfg = tp_bodies.base_cfg(2, **HSDP_PP[case])
+    ranks = run_ranks(node_local_bodies.mesh_save_and_load_body, 4, (cfg, str(tmp_path)))
+    for r, out in enumerate(ranks):
+        node = r // 2
+        want = [
+            f"rank-{n:05d}.{ext}" for n in (2 * node, 2 * node + 1) for ext in ("data", "index")
+        ]
+        assert out["files"] == ["MANIFEST", *want], (r, out["files"])
+        saved = out["saved"]
+        # Parameters and optimizer state (every full tensor) and the step counters, back
+        # bit for bit from each node's own part and from the gathered directory.
+        for how in ("in_place", "gathered"):
+            got = out[how]
+            assert sorted(got["state"]) == sorted(saved["state"]), (r, how)
+            assert any(k.startswith("optim/") for k in saved["state"])
+            for k, v in saved["state"].items():
+                assert torch.equal(got["state"][k], v), (r, how, k)
+            for key in ("global_steps", "micro_steps", "lr", "sched"):
+                assert got[key] == saved[key], (r, how, key)
+        assert out["client"] == {"tag": "s1"}
+        # The loaded engine takes the next step exactly as the saving one did.
+        assert out["in_place_next_loss"] == out["next_loss"]
+    if case == "pp":  # each node held only its stage: the nodes' states are disjoint
+        stage0, stage1 = (set(ranks[r]["saved"]["state"]) for r in (0, 2))
+        assert stage0 and stage1 and not stage0 & stage1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -122,10 +123,12 @@ def test_dry_run_commands_for_ssh_and_slurm(
     assert ssh == (
         "# node 0 (worker-1)\n"
         f"ssh -o BatchMode=yes worker-1 'cd {cwd}; {exports}; export FSDPX_NODE=0; "
-        f"export FSDPX_NODE_HOST=worker-1; {torchrun}'\n"
+        f"export FSDPX_NODE_HOST=worker-1; export FSDPX_RDZV_ENDPOINT=worker-1:29600; "
+        f"{torchrun}'\n"
         "# node 1 (worker-2)\n"
         f"ssh -o BatchMode=yes worker-2 'cd {cwd}; {exports}; export FSDPX_NODE=1; "
-        f"export FSDPX_NODE_HOST=worker-2; {torchrun}'\n"
+        f"export FSDPX_NODE_HOST=worker-2; export FSDPX_RDZV_ENDPOINT=worker-1:29600; "
+        f"{torchrun}'\n"
     )
     slurm_args = [*common, "--launcher", "slurm", "--launcher_args=--partition=gpu"]
     slurm = dry_run_text(
@@ -134,8 +137,19 @@ def test_dry_run_commands_for_ssh_and_slurm(
     assert slurm == (
         "# node 0 (worker-1,worker-2)\n"
         "srun --nodes=2 --ntasks-per-node=1 --nodelist=worker-1,worker-2 --kill-on-bad-exit=1 "
-        f"--partition=gpu bash -c 'cd {cwd}; {exports}; export FSDPX_NODE=$SLURM_NODEID "
+        f"--partition=gpu bash -c 'cd {cwd}; {exports}; "
+        "export FSDPX_RDZV_ENDPOINT=worker-1:29600; export FSDPX_NODE=$SLURM_NODEID "
         f"FSDPX_NODE_HOST=$SLURMD_NODENAME; {torchrun}'\n"
+    )
+    # No hostfile (none given, no /job/hostfile): this machine, its agent started directly
+    # with the exports in its environment.
+    local = dry_run_text(build_commands(plan_from_args(parse(["--num_gpus", "2", "train.py"]))))
+    assert local == (
+        "# node 0 (localhost)\n"
+        f"FSDPX_RUN_ID=job7 NCCL_SOCKET_IFNAME=eth0 HF_HOME=/data/hf PYTHONPATH={cwd} "
+        "FSDPX_NODE=0 FSDPX_NODE_HOST=localhost FSDPX_RDZV_ENDPOINT=localhost:29500 "
+        f"{py} -m torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "
+        "--rdzv-endpoint=localhost:29500 --rdzv-id=job7 train.py\n"
     )
 
 
@@ -218,6 +232,15 @@ def _check_training(out: Path, world: int, ranks_per_node: int) -> None:
         assert sums[name] == pytest.approx(float(p.double().sum()), rel=1e-4, abs=1e-4), name
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's end, waiting for init)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat_line.rpartition(")")[2].split()[0] != "Z"
+
+
 def _ranks_by_host(out: Path) -> list[tuple[str, str]]:
     infos = [json.loads(p.read_text()) for p in out.glob("rank*.json")]
     return [(info["host"], info["rank"]) for info in infos]
@@ -278,3 +301,83 @@ def test_killing_one_nodes_agent_stops_the_other(tmp_path: Path) -> None:
     stdout, stderr = proc.communicate()
     assert proc.returncode == 128 + signal.SIGKILL, stderr + stdout
     assert "fsdpx launch: node 1 (127.0.0.1) ended with signal SIGKILL" in stderr, stderr
+
+
+@pytest.mark.slow
+def test_a_rank_killed_outright_stops_every_node_and_is_named(tmp_path: Path) -> None:
+    """SIGKILL leaves the rank no chance to say anything: torchrun's summary on its node
+    still names it, and node 0 (its rank waiting in a barrier) ends too, with node 1
+    named as the job's failure."""
+    proc, out = _launch(tmp_path, "local", 1, "die")
+    stdout, stderr = proc.communicate()
+    assert proc.returncode == 1, stderr + stdout
+    rank = (out / "node1_rank").read_text()
+    assert (
+        f"fsdpx launch: node 1 (127.0.0.1) ended with exit code 1; rank {rank} failed first"
+        in stderr
+    ), stderr
+    assert "Signal 9 (SIGKILL)" in stdout + stderr
+    assert not list(out.glob("rank*.json"))  # node 0's rank was stopped, never finished
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_reaches_every_node(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM to `fsdpx launch` goes to every agent and so their ranks
+    (each waiting for a file no one writes): the job ends, naming the node whose agent
+    ended first, with no agent or rank left running."""
+    proc, out = _launch(tmp_path, "local", 1, "hold")
+    pid_file = out / "agent1.pid"
+    # A state: both ranks are up and holding.
+    while not (pid_file.exists() and (out / "pid0").exists() and (out / "pid1").exists()):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    ranks = [int((out / f"pid{r}").read_text()) for r in (0, 1)]
+    agent1 = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate()
+    assert proc.returncode != 0, stderr + stdout
+    assert re.search(
+        r"fsdpx launch: node [01] \((localhost|127\.0\.0\.1)\) ended with .*; stopped the "
+        "other nodes",
+        stderr,
+    ), stderr
+    with pytest.raises(ProcessLookupError):  # reaped by the launcher, not left running
+        os.kill(agent1, 0)
+    # Each agent stops and waits for its ranks before it exits.
+    assert not [pid for pid in ranks if _running(pid)]
+    # The ranks (their files appear only once released) never finished.
+    assert not list(out.glob("rank*.json"))
+
+
+@pytest.mark.slow
+def test_launched_ranks_publish_their_relays_in_the_rendezvous_store(tmp_path: Path) -> None:
+    """Relay discovery through a real launch: the two agents' c10d rendezvous store (at
+    --master_addr:--master_port, FSDPX_RDZV_ENDPOINT) holds both nodes' relays, and a
+    monitor reading it reaches each node's rank ([Note: relay discovery]). Default-tier
+    twin: tests/test_telemetry_discovery.py (the store hosted by the test)."""
+    from fsdpx.telemetry.wire.transport import connect
+    from monitor.discover import relays_from_store
+
+    proc, out = _launch(tmp_path, "local", 1, "relays")
+    try:
+        while not (out / "published").exists():  # a state: rank 0 has published
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        endpoint = (out / "published").read_text()
+        entries = relays_from_store(endpoint, timeout_s=60.0)
+        assert [(e.node, e.host) for e in entries] == [(0, "localhost"), (1, "127.0.0.1")]
+        assert sorted(r for e in entries for r in e.ranks) == [0, 1]
+        for entry in entries:
+            conn = connect(entry.address, role="monitor", secret=None, timeout_s=60.0)
+            seen: dict[int, object] = {}
+            while entry.ranks[0] not in seen:  # the node's rank, through its relay
+                for message in conn.receive(timeout_s=1.0):
+                    for rec in message.get("records") or []:
+                        seen[rec["rank"]] = rec.get("node")
+                assert proc.poll() is None, proc.communicate()
+            conn.close()
+            assert seen == {entry.ranks[0]: entry.node}
+    finally:
+        (out / "monitor_done").write_text("")
+        stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr + stdout

@@ -299,6 +299,7 @@ WIRE_MODULES = (
     "metrics_http",
     "relay",
     "coalesce",
+    "discovery",
 )
 
 
@@ -311,7 +312,7 @@ def test_the_monitor_and_the_wire_package_import_only_the_wire() -> None:
             "import contextlib, importlib, runpy, sys",
             *(f"import fsdpx.telemetry.wire.{m}" for m in WIRE_MODULES),
             "import monitor.app, monitor.cli, monitor.demo, monitor.export, monitor.replay",
-            "import monitor.export_lines, monitor.hangs, monitor.stragglers",
+            "import monitor.export_lines, monitor.hangs, monitor.stragglers, monitor.discover",
             "sys.argv = ['relay', '--help']",
             "with contextlib.redirect_stdout(None), contextlib.suppress(SystemExit):",
             "    runpy.run_module('fsdpx.telemetry.relay', run_name='__main__')",

@@ -85,6 +85,15 @@ class TelemetryConfig:
     total_steps: int | None = None
     """Optimizer steps the run will take, sent in the start event so the monitor can show
     an ETA; None: scheduler.total_num_steps when the schedule has one."""
+    publish_relays: bool = True
+    """Global rank 0 writes every node's relay address into the rendezvous store
+    (`FSDPX_RDZV_ENDPOINT`, set by `fsdpx launch`, else MASTER_ADDR:MASTER_PORT) at
+    start-up, for `fsdpx-monitor --rendezvous HOST:PORT` ([Note: relay discovery] in
+    fsdpx/telemetry/wire/discovery.py)."""
+    discovery_file: str | None = None
+    """A file global rank 0 writes the same relay list to (JSON), for
+    `fsdpx-monitor --discovery FILE`; on a file system the monitor's machine sees. None:
+    no file."""
 
     def __post_init__(self) -> None:
         check(self.queue_size >= 1, "telemetry.queue_size", self.queue_size, "an integer >= 1")

@@ -9,7 +9,8 @@ in its exit summary. The launcher only starts the agents, prefixes their output 
 host, forwards signals and stops every agent when one fails. With c10d, torchrun assigns
 node ranks in the order agents join; each agent also gets ``FSDPX_NODE`` (its index in the
 host list) and ``FSDPX_NODE_HOST`` so that errors and telemetry can name the node as the
-launcher knows it.
+launcher knows it, and ``FSDPX_RDZV_ENDPOINT`` (the rendezvous endpoint, where rank 0
+publishes the relays' addresses for `fsdpx-monitor --rendezvous`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def torchrun_argv(plan: LaunchPlan, host: Host) -> list[str]:
 
 def _node_env(plan: LaunchPlan, host: Host, node: int) -> dict[str, str]:
     env = {"FSDPX_NODE": str(node), "FSDPX_NODE_HOST": host.name}
+    # Where rank 0 publishes every node's relay address ([Note: relay discovery]).
+    env["FSDPX_RDZV_ENDPOINT"] = f"{plan.master_addr}:{plan.master_port}"
     if any(len(h.slots) != max(h.slots) + 1 for h in plan.hosts):
         # A subset of a host's slots: its devices, as DeepSpeed's launcher sets them.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slots))

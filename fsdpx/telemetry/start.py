@@ -38,7 +38,7 @@ def start_telemetry(
         return None
     from fsdpx.telemetry.publisher import Publisher
 
-    return Publisher(
+    publisher = Publisher(
         cfg.telemetry,
         rank=info.rank,
         local_rank=info.local_rank,
@@ -51,6 +51,11 @@ def start_telemetry(
         total_steps=cfg.telemetry.total_steps or cfg.scheduler.total_num_steps,
         run=agree_run(cfg.telemetry, info),
     )
+    # Every node's relay address, for monitors ([Note: relay discovery]).
+    from fsdpx.telemetry.announce import announce_relays
+
+    announce_relays(publisher, cfg.telemetry, info)
+    return publisher
 
 
 def agree_run(cfg: TelemetryConfig, info: DistInfo) -> RunIdentity:
