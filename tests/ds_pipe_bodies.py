@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fsdpx.deepspeed as deepspeed
-from fsdpx.deepspeed.pipe import LayerSpec, PipelineModule
+from fsdpx.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from fsdpx.parallel_dims import ParallelDims
 
 LR = 1e-2
@@ -122,3 +122,79 @@ def run_case(num_stages: int, gas: int, method: str) -> dict[str, Any]:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         state[name] = full.detach().clone()
     return {"losses": losses, "eval": eval_loss, "state": state, "parts": parts}
+
+
+# --- tied layers across stages --------------------------------------------------------
+
+VOCAB, DIM, SEQ = 11, 6, 5
+
+
+def _unembed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight.T
+
+
+def tied_layers() -> list[Any]:
+    """A tiny LM in DeepSpeed's style: the embedding tied to the output projection, which
+    the uniform split puts on the first and the last stage."""
+    return [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
+        LayerSpec(nn.Linear, DIM, DIM),
+        nn.Tanh(),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=_unembed),
+    ]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def tied_data(micro: int, gas: int, steps: int) -> list[Any]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randint(0, VOCAB, (micro, SEQ), generator=g),
+            torch.randint(0, VOCAB, (micro, SEQ), generator=g),
+        )
+        for _ in range(steps * gas)
+    ]
+
+
+def tied_config(gas: int, clip: float) -> dict[str, Any]:
+    return {**ds_config(2, gas), "gradient_clipping": clip}
+
+
+def tied_reference(gas: int, clip: float) -> dict[str, Any]:
+    """The same PipelineModule in one process (one tied module), torch Adam, the loss
+    averaged over the micro-batches, torch's clipping."""
+    torch.manual_seed(0)
+    net = PipelineModule(tied_layers(), num_stages=1, loss_fn=lm_loss)
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    stream = tied_data(2, gas, STEPS)
+    losses = []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for x, y in stream[step * gas : (step + 1) * gas]:
+            loss = lm_loss(net(x), y) / gas
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return {"losses": losses, "state": {n: p.detach().clone() for n, p in net.named_parameters()}}
+
+
+def tied_body(rank: int, world_size: int, gas: int, clip: float) -> dict[str, Any]:
+    """The DeepSpeed script on 2 stages: the tied embedding on stage 0 and stage 1."""
+    torch.manual_seed(0)
+    net = PipelineModule(tied_layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform")
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=tied_config(gas, clip)
+    )
+    stream = iter(tied_data(2, gas, STEPS))
+    losses = [float(engine.train_batch(stream)) for _ in range(STEPS)]
+    state = {}
+    for name, p in engine.module.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        state[name] = full.detach().clone()
+    return {"losses": losses, "state": state, "parts": list(net.parts)}
