@@ -130,7 +130,8 @@ VOCAB, DIM, SEQ = 11, 6, 5
 
 
 def _unembed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return x @ module.weight.T
+    weight = module.get_parameter("weight")
+    return x @ weight.T
 
 
 def tied_layers() -> list[Any]:
@@ -184,17 +185,39 @@ def tied_reference(gas: int, clip: float) -> dict[str, Any]:
     return {"losses": losses, "state": {n: p.detach().clone() for n, p in net.named_parameters()}}
 
 
-def tied_body(rank: int, world_size: int, gas: int, clip: float) -> dict[str, Any]:
-    """The DeepSpeed script on 2 stages: the tied embedding on stage 0 and stage 1."""
-    torch.manual_seed(0)
+def _tied_engine(seed: int, gas: int, clip: float) -> Any:
+    torch.manual_seed(seed)
     net = PipelineModule(tied_layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform")
     engine, _, _, _ = deepspeed.initialize(
         model=net, model_parameters=net.parameters(), config=tied_config(gas, clip)
     )
-    stream = iter(tied_data(2, gas, STEPS))
-    losses = [float(engine.train_batch(stream)) for _ in range(STEPS)]
+    return engine, list(net.parts)
+
+
+def _full_params(engine: Any) -> dict[str, torch.Tensor]:
     state = {}
     for name, p in engine.module.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         state[name] = full.detach().clone()
-    return {"losses": losses, "state": state, "parts": list(net.parts)}
+    return state
+
+
+def tied_body(rank: int, world_size: int, gas: int, clip: float, root: str) -> dict[str, Any]:
+    """The DeepSpeed script on 2 stages: the tied embedding on stage 0 and stage 1, saved
+    before the last step and resumed by an engine built from another seed."""
+    engine, parts = _tied_engine(0, gas, clip)
+    stream = iter(tied_data(2, gas, STEPS))
+    losses = [float(engine.train_batch(stream)) for _ in range(STEPS - 1)]
+    engine.save_checkpoint(root)
+    losses.append(float(engine.train_batch(stream)))
+    resumed, _ = _tied_engine(1, gas, clip)
+    resumed.load_checkpoint(root)
+    stream = iter(tied_data(2, gas, STEPS)[(STEPS - 1) * gas :])
+    resumed_loss = float(resumed.train_batch(stream))
+    return {
+        "losses": losses,
+        "state": _full_params(engine),
+        "parts": parts,
+        "resumed_loss": resumed_loss,
+        "resumed_state": _full_params(resumed),
+    }

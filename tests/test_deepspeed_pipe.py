@@ -90,13 +90,13 @@ def test_tied_layers_share_one_module_on_one_stage() -> None:
     torch.testing.assert_close(net(x), net.get_submodule("3")(torch.relu(x @ w.T) @ w))
 
 
-def test_tied_layers_across_stages_match_a_single_process() -> None:
+def test_tied_layers_across_stages_match_a_single_process(tmp_path: Path) -> None:
     """The embedding on stage 0 tied to the output projection on stage 1: both copies get
     the summed gradient and stay equal to the one tied weight of a single-process run,
     with clipping on (the norm counts the tie once; counted twice, the clip factor and so
-    every weight would differ)."""
+    every weight would differ); a checkpoint holds both copies and resumes exactly."""
     gas, clip = 2, 0.05
-    results = run_ranks(bodies.tied_body, 2, (gas, clip))
+    results = run_ranks(bodies.tied_body, 2, (gas, clip, str(tmp_path / "ckpt")))
     ref = bodies.tied_reference(gas, clip)
     r0, r1 = results
     assert r0["parts"] == [0, 2, 4]
@@ -110,6 +110,10 @@ def test_tied_layers_across_stages_match_a_single_process() -> None:
     assert sorted(held) == sorted(ref["state"])
     for name, value in ref["state"].items():
         torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for r in results:
+        assert r["resumed_loss"] == r["losses"][-1]
+        assert r["resumed_state"].keys() == r["state"].keys()
+        assert all(torch.equal(r["resumed_state"][k], v) for k, v in r["state"].items())
 
 
 def test_errors() -> None:
