@@ -109,13 +109,8 @@ class Engine:
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         # How the optimizer steps ([Note: step strategies] in fsdpx/optimizer_step.py):
         # fsdpx.shard hands in offload's; any other optimizer unscales, clips and steps.
+        # Offload refuses pp > 1 (fsdpx/offload/plan.py), so tied copies meet PlainStep only.
         replicas = pipeline.tied.replicas if pipeline is not None and pipeline.tied else []
-        if replicas and optimizer_step is not None:
-            raise NotImplementedError(
-                "parameters shared across pipeline stages with an offloaded optimizer: its "
-                "step would count their gradients once per stage in the clipping norm. Turn "
-                "off zero.offload_optimizer, or untie the parameters"
-            )
         self._optimizer_step: OptimizerStep = optimizer_step or PlainStep(
             optimizer, self._params, self._pp_group, norm_once=replicas
         )

@@ -202,6 +202,19 @@ def _full_params(engine: Any) -> dict[str, torch.Tensor]:
     return state
 
 
+def _layout_error(rank: int) -> str:
+    """The check TiedGradients makes, given copies whose local shapes differ."""
+    import torch.distributed as dist
+
+    from fsdpx.pipeline_tied import Tie, _check_same_layout
+
+    try:
+        _check_same_layout(Tie((0, 1), ("a", "b")), torch.zeros(rank + 1), dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def tied_body(rank: int, world_size: int, gas: int, clip: float, root: str) -> dict[str, Any]:
     """The DeepSpeed script on 2 stages: the tied embedding on stage 0 and stage 1, saved
     before the last step and resumed by an engine built from another seed."""
@@ -215,6 +228,7 @@ def tied_body(rank: int, world_size: int, gas: int, clip: float, root: str) -> d
     stream = iter(tied_data(2, gas, STEPS)[(STEPS - 1) * gas :])
     resumed_loss = float(resumed.train_batch(stream))
     return {
+        "layout_error": _layout_error(rank),
         "losses": losses,
         "state": _full_params(engine),
         "parts": parts,

@@ -4,6 +4,7 @@ partition methods, tied layers and errors."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,7 @@ def test_tied_layers_across_stages_match_a_single_process(tmp_path: Path) -> Non
     for name, value in ref["state"].items():
         torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6, msg=name)
     for r in results:
+        assert re.search(r"stages \[0, 1\] .* is sharded differently on them", r["layout_error"])
         assert r["resumed_loss"] == r["losses"][-1]
         assert r["resumed_state"].keys() == r["state"].keys()
         assert all(torch.equal(r["resumed_state"][k], v) for k, v in r["state"].items())
