@@ -57,7 +57,10 @@ what is left is its sparser variance (40 updates before the freeze instead of 80
 compressed gradients between them: with var_update_scaler 32 (56 updates) it is within
 0.35%, the setting tests/test_onebit_convergence.py runs. In DeepSpeed's terms: a run this
 short needs var_update_scaler large enough that most steps up to var_freeze_step update
-the variance (56 of 80 here, 40 of 80 with 16). The 1.24x of 1-bit
+the variance (56 of 80 here, 40 of 80 with 16). Compared step by step with DeepSpeed
+0.16's zoadam.py, the 1.0117x at its defaults is not a deviation: the same 40 variance
+steps, compressed gradients between them, error buffers reset at the freeze, and with
+local_step_scaler 32678 a synchronisation after every step (README, Measured). The 1.24x of 1-bit
 Lamb was its lr: Lamb's trust ratio sets each step to about lr * ||w|| per tensor, and at
 lr 1e-3 plain, uncompressed Lamb is further behind (1.70x); at lr 1e-2 1-bit Lamb ends
 below Adam's loss. Adam itself was run at lr 1e-3 only. Bytes/step after the freeze:

@@ -9,7 +9,7 @@ pipeline parallelism the stages' contributions are summed over the pp group.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,16 +63,21 @@ def clip_grad_norm_(
     *,
     norm_type: float = 2.0,
     pp_group: dist.ProcessGroup | None = None,
+    replicas: Sequence[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Scale gradients in place so their total norm is at most max_norm; returns the norm
-    before clipping (like torch's clip_grad_norm_).
+    before clipping (like torch's clip_grad_norm_). `replicas` are clipped but not counted
+    in the norm: copies of a parameter another pipeline stage holds and counts
+    ([Note: tied parameters across stages] in fsdpx/pipeline_tied.py).
 
     Example::
 
         norm = clip_grad_norm_(model.parameters(), 1.0)
     """
     params = [p for p in params if p.grad is not None]
-    total = total_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
+    skip = {id(p) for p in replicas}
+    counted = [p for p in params if id(p) not in skip]
+    total = total_grad_norm(counted, norm_type=norm_type, pp_group=pp_group)
     # clip_grads_with_norm_ takes the *parameters* and scales their .grad: handed the
     # gradients themselves it finds no .grad on them and silently clips nothing.
     for group in _params_by_mesh(params):

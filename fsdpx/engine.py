@@ -109,8 +109,10 @@ class Engine:
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         # How the optimizer steps ([Note: step strategies] in fsdpx/optimizer_step.py):
         # fsdpx.shard hands in offload's; any other optimizer unscales, clips and steps.
+        # Offload refuses pp > 1 (fsdpx/offload/plan.py), so tied copies meet PlainStep only.
+        replicas = pipeline.tied.replicas if pipeline is not None and pipeline.tied else []
         self._optimizer_step: OptimizerStep = optimizer_step or PlainStep(
-            optimizer, self._params, self._pp_group
+            optimizer, self._params, self._pp_group, norm_once=replicas
         )
         # Set by fsdpx.deepspeed's engine (set_gradient_accumulation_boundary, no_sync):
         # a caller-owned boundary, and gradients kept local while `_no_sync` holds.

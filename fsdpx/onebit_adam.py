@@ -35,9 +35,10 @@ are zeroed after each exchange (every rank has the same variance, so the same ma
 
 The error buffers are per rank and are not in the state dict: engine checkpoints keep each
 rank's own ([Note: per-rank optimizer state] in fsdpx/checkpoint/state.py), so a resume at the
-same world size continues exactly; at another world size, and after torch's
-`load_state_dict`, they restart at zero (as DeepSpeed's OnebitAdam reset them on every load),
-which costs one step of compensation.
+same world size continues exactly; at another world size (where they cannot be resharded:
+rank 0 logs a warning, [Note: per-rank optimizer state at another world size] in
+fsdpx/checkpoint/state.py) and after torch's `load_state_dict`, they restart at zero (as
+DeepSpeed's OnebitAdam reset them on every load), which costs one step of compensation.
 """
 
 from __future__ import annotations

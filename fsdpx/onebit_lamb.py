@@ -25,7 +25,8 @@ in fsdpx/onebit_adam.py; DeepSpeed asked for `exp_avg_mask`); a parameter whose 
 all zero at the freeze gets scaling coefficient 1 (DeepSpeed divided by zero); the error
 buffers are per rank, not in the state dict: engine checkpoints keep each rank's own
 ([Note: per-rank optimizer state] in fsdpx/checkpoint/state.py), so a resume at the same
-world size continues exactly; at another world size and after `load_state_dict` they
+world size continues exactly; at another world size (with a warning on rank 0: [Note:
+per-rank optimizer state at another world size] there) and after `load_state_dict` they
 restart at zero (as DeepSpeed's did on every load).
 """
 

@@ -9,6 +9,7 @@ fused step applies, and arms gradient streaming before each backward).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -42,6 +43,8 @@ class PlainStep:
         optimizer: the optimizer.
         params: the parameters with gradients (unscaled and clipped in place).
         pp_group: the pipeline group the gradient norm is summed over, or None.
+        norm_once: copies of a parameter another stage also holds, left out of the norm
+            ([Note: tied parameters across stages] in fsdpx/pipeline_tied.py).
 
     Example::
 
@@ -55,10 +58,12 @@ class PlainStep:
         optimizer: torch.optim.Optimizer,
         params: list[torch.nn.Parameter],
         pp_group: torch.distributed.ProcessGroup | None = None,
+        norm_once: Sequence[torch.nn.Parameter] = (),
     ) -> None:
         self._optimizer = optimizer
         self._params = params
         self._pp_group = pp_group
+        self._replicas = list(norm_once)
 
     def prepare_backward(self, is_boundary: bool) -> None:
         pass  # gradients stay where backward put them
@@ -68,7 +73,11 @@ class PlainStep:
             unscale_grads_(self._params, inv_scale)
         norm = None
         if max_norm > 0:
-            norm = float(clip_grad_norm_(self._params, max_norm, pp_group=self._pp_group))
+            norm = float(
+                clip_grad_norm_(
+                    self._params, max_norm, pp_group=self._pp_group, replicas=self._replicas
+                )
+            )
         self._optimizer.step()
         return norm
 

@@ -12,7 +12,10 @@ parameters. An optimizer instance keeps its identity (the script's variable, and
 scheduler that wraps it, stay valid): only the tensors in its `param_groups` are swapped,
 which is sound only while it holds no state, so one that has stepped is refused. Under
 pipeline parallelism a rank holds its stages' parameters only, and names it does not hold
-are dropped from its groups.
+are dropped from its groups. A parameter the model reaches under several names (a tied
+embedding) is carried by all of them: the pipeline split gives each stage that uses it a
+copy under one of those names ([Note: tied parameters across stages] in
+fsdpx/pipeline_tied.py).
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ def name_groups(model: nn.Module, model_parameters: Any) -> list[NamedGroup]:
     Raises:
         ValueError: a tensor that is not a parameter of `model`, or a malformed group.
     """
-    names = {id(p): plain_name(n) for n, p in model.named_parameters()}
+    names = _aliases(model)
     if model_parameters is None:
-        return [NamedGroup(tuple(names[id(p)] for p in model.parameters()), {})]
+        return [NamedGroup(tuple(n for p in model.parameters() for n in names[id(p)]), {})]
     if isinstance(model_parameters, torch.Tensor):
         raise ValueError(
             "model_parameters must be an iterable of tensors or of parameter-group dicts "
@@ -73,7 +76,15 @@ def name_groups(model: nn.Module, model_parameters: Any) -> list[NamedGroup]:
     return [NamedGroup(_names_of(items, names, ""), {})]
 
 
-def _names_of(params: Any, names: dict[int, str], where: str) -> tuple[str, ...]:
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter of `model`, by id (a shared one has several)."""
+    out: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(plain_name(n))
+    return out
+
+
+def _names_of(params: Any, names: dict[int, list[str]], where: str) -> tuple[str, ...]:
     tensors = [params] if isinstance(params, torch.Tensor) else list(params)
     out = []
     for j, p in enumerate(tensors):
@@ -84,7 +95,7 @@ def _names_of(params: Any, names: dict[int, str], where: str) -> tuple[str, ...]
                 "passed to initialize: fsdpx shards the model's own parameters, so the "
                 "optimizer can only hold those"
             )
-        out.append(names[id(p)])
+        out.extend(names[id(p)])
     return tuple(out)
 
 
@@ -96,7 +107,7 @@ def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
             "state (it has stepped): its state belongs to tensors that sharding replaces. "
             "Pass a fresh optimizer, or a callable `params -> optimizer`"
         )
-    names = {id(p): plain_name(n) for n, p in model.named_parameters()}
+    names = _aliases(model)
     return [
         NamedGroup(
             _names_of(group["params"], names, f" (optimizer.param_groups[{i}])"),
@@ -115,13 +126,15 @@ def resolve_groups(
         partial: the rank holds part of the model (pipeline stages): names it does not
             hold are dropped instead of raising.
     """
-    by_name = {plain_name(n): p for n, p in sharded.named_parameters()}
+    by_name = {plain_name(n): p for n, p in sharded.named_parameters(remove_duplicate=False)}
     out = []
     for group in groups:
         missing = [n for n in group.names if n not in by_name]
         if missing and not partial:
             raise AssertionError(f"parameters lost in sharding: {missing[:5]}")
-        params = [by_name[n] for n in group.names if n in by_name]
+        # A shared parameter comes once, under whichever of its names this rank holds.
+        found = {id(by_name[n]): by_name[n] for n in group.names if n in by_name}
+        params = list(found.values())
         if params:
             out.append({**group.options, "params": params})
     return out

@@ -37,6 +37,7 @@ from fsdpx.pipeline_split import (
     stage_copies,
     stage_ids,
 )
+from fsdpx.pipeline_tied import Tie, TiedGradients, find_ties
 
 if TYPE_CHECKING:
     from fsdpx.sequence.plan import SequencePlan
@@ -97,8 +98,12 @@ class PipelineRunner:
         loss_fn: Callable[..., torch.Tensor],
         pp_group: dist.ProcessGroup,
         last_stage_rank: int,
+        tied: TiedGradients | None = None,
     ) -> None:
         self.schedule = schedule
+        self.tied = tied
+        """Sums the gradients of parameters shared across stages after each step's
+        backward ([Note: tied parameters across stages] in fsdpx/pipeline_tied.py)."""
         self.stages = list(stages)
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
@@ -137,7 +142,10 @@ class PipelineRunner:
             The mean unscaled loss of the micro-batches (under sp: this rank's share of
             it), on every rank of the pp group.
         """
-        return self._run(self.schedule.step, batches, loss_scale / len(batches), device, sequence)
+        loss = self._run(self.schedule.step, batches, loss_scale / len(batches), device, sequence)
+        if self.tied is not None:
+            self.tied.reduce()
+        return loss
 
     def evaluate(
         self,
@@ -218,6 +226,8 @@ class StageSplit:
     """Their stage indices, in the order torch's schedules expect."""
     num_stages: int
     """Stages over all pp ranks (mesh.pp x pipeline.stages_per_rank)."""
+    ties: tuple[Tie, ...] = ()
+    """Parameters units of several stages share (fsdpx/pipeline_tied.py)."""
 
 
 def split_stages(
@@ -259,10 +269,11 @@ def split_stages(
     units = model_units(model, block_names)
     pp_rank = mesh[Axis.PP.value].get_local_rank()
     ids = stage_ids(pp_rank, dims.pp, pcfg.stages_per_rank, pcfg.schedule in V_SHAPED)
+    ties = tuple(find_ties(model, stage_units))  # before the copies: they unshare them
     parts = stage_copies(model, len(ids))
     for part, sid in zip(parts, ids, strict=True):
         prune_to_stage(part, units, stage_units[sid])
-    return StageSplit(parts=parts, ids=ids, num_stages=num_stages)
+    return StageSplit(parts=parts, ids=ids, num_stages=num_stages, ties=ties)
 
 
 def build_runner(
@@ -293,8 +304,14 @@ def build_runner(
     name = cfg.pipeline.schedule
     v_style = name in V_SHAPED
     last_rank = 0 if v_style else (num_stages - 1) % dims.pp
+    tied = TiedGradients(split.ties, split.parts, split.ids, mesh) if split.ties else None
     runner = PipelineRunner(
-        schedule=None, stages=stages, loss_fn=loss_fn, pp_group=pp_group, last_stage_rank=last_rank
+        schedule=None,
+        stages=stages,
+        loss_fn=loss_fn,
+        pp_group=pp_group,
+        last_stage_rank=last_rank,
+        tied=tied,
     )
     cls = get_schedule_class(name)
     gas = cfg.gradient_accumulation_steps

@@ -43,7 +43,8 @@ replicas drift apart by a few ulps per synchronisation; from synced_param every 
 computes the same bits (the average and v are equal everywhere), at the same memory.
 
 Deliberate differences from DeepSpeed 0.14-0.16 (the last to ship it; 0.19.8 does not),
-besides the two notes above: its first `step()` only initialised its communication
+besides the two notes above (the rest, compared line by line with its zoadam.py, is its
+algorithm: the README's Measured section has what that costs in a 400-step run): its first `step()` only initialised its communication
 buffers and left the parameters untouched, so its schedule counts one step more than the
 updates (here step 1 is the first update); and momentum elements whose variance is exactly
 0 are zeroed after each exchange and in each local step, as in fsdpx.onebit_adam
@@ -54,7 +55,9 @@ restart at zero when the variance freezes (DeepSpeed does the same: they then co
 a different quantity). Engine checkpoints keep each rank's error buffers ([Note: per-rank
 optimizer state] in fsdpx/checkpoint/state.py), so a resume at the same world size
 continues exactly when saved at a synchronisation (between two, the checkpoint holds one
-rank's replica, as DeepSpeed's did); torch's `load_state_dict` restarts them at zero.
+rank's replica, as DeepSpeed's did); torch's `load_state_dict`, and a load at another world
+size (with a warning on rank 0: [Note: per-rank optimizer state at another world size] in
+fsdpx/checkpoint/state.py), restart them at zero.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fsdpx.deepspeed as deepspeed
-from fsdpx.deepspeed.pipe import LayerSpec, PipelineModule
+from fsdpx.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from fsdpx.parallel_dims import ParallelDims
 
 LR = 1e-2
@@ -122,3 +122,116 @@ def run_case(num_stages: int, gas: int, method: str) -> dict[str, Any]:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         state[name] = full.detach().clone()
     return {"losses": losses, "eval": eval_loss, "state": state, "parts": parts}
+
+
+# --- tied layers across stages --------------------------------------------------------
+
+VOCAB, DIM, SEQ = 11, 6, 5
+
+
+def _unembed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight = module.get_parameter("weight")
+    return x @ weight.T
+
+
+def tied_layers() -> list[Any]:
+    """A tiny LM in DeepSpeed's style: the embedding tied to the output projection, which
+    the uniform split puts on the first and the last stage."""
+    return [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
+        LayerSpec(nn.Linear, DIM, DIM),
+        nn.Tanh(),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=_unembed),
+    ]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def tied_data(micro: int, gas: int, steps: int) -> list[Any]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randint(0, VOCAB, (micro, SEQ), generator=g),
+            torch.randint(0, VOCAB, (micro, SEQ), generator=g),
+        )
+        for _ in range(steps * gas)
+    ]
+
+
+def tied_config(gas: int, clip: float) -> dict[str, Any]:
+    return {**ds_config(2, gas), "gradient_clipping": clip}
+
+
+def tied_reference(gas: int, clip: float) -> dict[str, Any]:
+    """The same PipelineModule in one process (one tied module), torch Adam, the loss
+    averaged over the micro-batches, torch's clipping."""
+    torch.manual_seed(0)
+    net = PipelineModule(tied_layers(), num_stages=1, loss_fn=lm_loss)
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    stream = tied_data(2, gas, STEPS)
+    losses = []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for x, y in stream[step * gas : (step + 1) * gas]:
+            loss = lm_loss(net(x), y) / gas
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return {"losses": losses, "state": {n: p.detach().clone() for n, p in net.named_parameters()}}
+
+
+def _tied_engine(seed: int, gas: int, clip: float) -> Any:
+    torch.manual_seed(seed)
+    net = PipelineModule(tied_layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform")
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=tied_config(gas, clip)
+    )
+    return engine, list(net.parts)
+
+
+def _full_params(engine: Any) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, p in engine.module.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        state[name] = full.detach().clone()
+    return state
+
+
+def _layout_error(rank: int) -> str:
+    """The check TiedGradients makes, given copies whose local shapes differ."""
+    import torch.distributed as dist
+
+    from fsdpx.pipeline_tied import Tie, _check_same_layout
+
+    try:
+        _check_same_layout(Tie((0, 1), ("a", "b")), torch.zeros(rank + 1), dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def tied_body(rank: int, world_size: int, gas: int, clip: float, root: str) -> dict[str, Any]:
+    """The DeepSpeed script on 2 stages: the tied embedding on stage 0 and stage 1, saved
+    before the last step and resumed by an engine built from another seed."""
+    engine, parts = _tied_engine(0, gas, clip)
+    stream = iter(tied_data(2, gas, STEPS))
+    losses = [float(engine.train_batch(stream)) for _ in range(STEPS - 1)]
+    engine.save_checkpoint(root)
+    losses.append(float(engine.train_batch(stream)))
+    resumed, _ = _tied_engine(1, gas, clip)
+    resumed.load_checkpoint(root)
+    stream = iter(tied_data(2, gas, STEPS)[(STEPS - 1) * gas :])
+    resumed_loss = float(resumed.train_batch(stream))
+    return {
+        "layout_error": _layout_error(rank),
+        "losses": losses,
+        "state": _full_params(engine),
+        "parts": parts,
+        "resumed_loss": resumed_loss,
+        "resumed_state": _full_params(resumed),
+    }

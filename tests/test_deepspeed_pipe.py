@@ -4,6 +4,7 @@ partition methods, tied layers and errors."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -90,19 +91,31 @@ def test_tied_layers_share_one_module_on_one_stage() -> None:
     torch.testing.assert_close(net(x), net.get_submodule("3")(torch.relu(x @ w.T) @ w))
 
 
-def test_tied_layers_across_stages_are_refused() -> None:
-    with pytest.raises(
-        NotImplementedError, match=r"TiedLayerSpec 'embed' is used on pipeline stages \[0, 1\]"
-    ):
-        PipelineModule(
-            [
-                TiedLayerSpec("embed", nn.Embedding, 8, 4),
-                nn.Linear(4, 4),
-                TiedLayerSpec("embed", nn.Embedding, 8, 4, forward_fn=lambda m, x: x @ m.weight.T),
-            ],
-            num_stages=2,
-            partition_method="uniform",
-        )
+def test_tied_layers_across_stages_match_a_single_process(tmp_path: Path) -> None:
+    """The embedding on stage 0 tied to the output projection on stage 1: both copies get
+    the summed gradient and stay equal to the one tied weight of a single-process run,
+    with clipping on (the norm counts the tie once; counted twice, the clip factor and so
+    every weight would differ); a checkpoint holds both copies and resumes exactly."""
+    gas, clip = 2, 0.05
+    results = run_ranks(bodies.tied_body, 2, (gas, clip, str(tmp_path / "ckpt")))
+    ref = bodies.tied_reference(gas, clip)
+    r0, r1 = results
+    assert r0["parts"] == [0, 2, 4]
+    assert r0["losses"] == r1["losses"]
+    torch.testing.assert_close(r0["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    assert sorted(r0["state"]) == ["0.module.weight", "1.bias", "1.weight"]
+    assert sorted(r1["state"]) == ["3.module.weight"]
+    assert torch.equal(r0["state"]["0.module.weight"], r1["state"]["3.module.weight"])
+    held = {**r0["state"], **r1["state"]}
+    held.pop("3.module.weight")
+    assert sorted(held) == sorted(ref["state"])
+    for name, value in ref["state"].items():
+        torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for r in results:
+        assert re.search(r"stages \[0, 1\] .* is sharded differently on them", r["layout_error"])
+        assert r["resumed_loss"] == r["losses"][-1]
+        assert r["resumed_state"].keys() == r["state"].keys()
+        assert all(torch.equal(r["resumed_state"][k], v) for k, v in r["state"].items())
 
 
 def test_errors() -> None:
@@ -173,3 +186,19 @@ def test_save_16bit_model_refuses_pipeline_parallelism() -> None:
     for name in ("model.safetensors", "pytorch_model.bin"):
         with pytest.raises(NotImplementedError, match="each stage holds part of the model"):
             save_16bit(engine, Path("/nonexistent"), name)  # type: ignore[arg-type]
+
+
+def test_find_ties_and_the_tie_refusals() -> None:
+    from fsdpx.pipeline_tied import Tie, TiedGradients, find_ties
+
+    torch.manual_seed(0)
+    net = PipelineModule(bodies.tied_layers(), num_stages=2, partition_method="uniform")
+    ties = find_ties(net, [["0", "1", "2"], ["3"]])
+    assert ties == [Tie((0, 1), ("0.module.weight", "3.module.weight"))]
+    assert find_ties(net, [["0", "1", "2", "3"]]) == []  # one stage: a plain shared weight
+    with pytest.raises(NotImplementedError, match=r"one stage per rank .* stages \[0, 3\]"):
+        TiedGradients(ties, [net, net], [0, 3], mesh=None)  # type: ignore[arg-type]
+    tied = TiedGradients([], [net], [0], mesh=None)  # type: ignore[arg-type]
+    tied._held.append((net.get_parameter("0.module.weight"), None))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="got no gradient on this stage"):
+        tied.reduce()

@@ -13,6 +13,7 @@ checkpoint (see [Note: pipeline checkpoints] in saving.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,8 @@ from fsdpx.checkpoint.state import (
 from fsdpx.checkpoint.vote_errors import error_report, rebuild_error
 from fsdpx.dtensor import to_local
 from fsdpx.ops.shuffle import checkpoint_kernels
+
+log = logging.getLogger("fsdpx")
 
 
 @dataclass(frozen=True)
@@ -186,11 +189,29 @@ class _Loader:
         if not callable(load):
             return
         found: dict[str, torch.Tensor] = {}
-        if self.reader.world_size == size:
+        saved = self.reader.world_size
+        if saved == size:
             prefix = rank_optim_prefix(rank)
             for name in self.reader.names():
                 if name.startswith(prefix):
                     found[name[len(prefix) :]] = self.reader.read(name)
+        elif rank == 0 and any(n.startswith(rank_optim_prefix(0)) for n in self.reader.names()):
+            # [Note: per-rank optimizer state at another world size] in state.py
+            log.warning(
+                "checkpoint %r was saved by %d ranks, this job has %d: the per-rank error "
+                "feedback of %s's 1-bit compression cannot be resharded (each rank's buffer "
+                "holds what its own compression lost, in chunks laid out for %d ranks), so it "
+                "restarts at zero, as DeepSpeed resets it on every load. Everything else "
+                "(parameters, momentum, variance, schedule) is restored exactly; the next "
+                "compressed exchanges go uncompensated for what was pending. Resume on %d "
+                "ranks to continue exactly",
+                str(self.path),
+                saved,
+                size,
+                type(optimizer).__name__,
+                saved,
+                saved,
+            )
         self.touched = True
         load(found)
 

@@ -237,9 +237,18 @@ def rank_local_pieces(optimizer: torch.optim.Optimizer, rank: int) -> list[Piece
     their state, which replicas share. An optimizer with `rank_local_state()` (key ->
     tensor) and `load_rank_local_state(dict)` has each rank write its own tensors under
     its own names (each one piece covering the whole tensor), so a resume at the same
-    world size continues exactly; at another world size the ranks' chunks of the
-    compressed exchange no longer match, and the loader hands it nothing (it restarts
-    the feedback at zero, as DeepSpeed did on every load).
+    world size continues exactly.
+
+    [Note: per-rank optimizer state at another world size] The buffers cannot be
+    resharded: each holds what one rank's sign compression lost (the worker buffer) and
+    what its server chunk lost (1/W of the padded tensor), and neither sums nor splits
+    into what W' other ranks would have lost. So the loader hands the optimizer nothing
+    and rank 0 logs a warning naming both world sizes: the feedback restarts at zero, as
+    DeepSpeed's OnebitAdam / ZeroOneAdam / OnebitLamb reset it on *every* load (their
+    load_state_dict pops worker_error and server_error: "you need to have the exact same
+    number of GPUs in order to load them correctly"). The rest of their state is shared
+    by the replicas and loads at any world size; tests/test_onebit_reshard.py checks both
+    directions (4 -> 2, 2 -> 4) for the three optimizers.
     """
     state = getattr(optimizer, "rank_local_state", None)
     if not callable(state):

@@ -15,9 +15,12 @@ after rank 0's initial weights are broadcast), so a rank briefly holds every lay
 
 [Note: tied layers] A `TiedLayerSpec` key is built once and every use calls that one
 module, as DeepSpeed does. Uses on one stage are plain shared parameters. Uses on
-different stages would need the tied weight's gradients all-reduced between the stages
-holding it (DeepSpeed's tied-weight groups); fsdpx's pipeline has no such group yet, so
-that layout is refused at construction rather than trained as two untied copies.
+different stages (an embedding tied to the LM head on the first and last stage) become one
+copy per stage after fsdpx's split, whose gradients are summed between the stages holding
+them after each step's backward, the norm counting them once, as DeepSpeed's tied-weight
+groups do ([Note: tied parameters across stages] in fsdpx/pipeline_tied.py). Each copy
+keeps its layer's name (`0.module.weight` on the first stage, `5.module.weight` on the
+last), so a checkpoint holds both, equal.
 """
 
 from __future__ import annotations
@@ -175,7 +178,6 @@ class PipelineModule(nn.Module):
         self._tied_keys: dict[str, list[int]] = {}
         self._build(specs)
         self.parts = self._partition(specs, partition_method.lower())
-        self._check_tied()
 
     # --- construction ------------------------------------------------------------------
 
@@ -224,18 +226,6 @@ class PipelineModule(nn.Module):
             f"partition_method {self.partition_method!r} is not supported; use 'parameters', "
             "'uniform' or 'type:REGEX' (DeepSpeed's 'profile' is not implemented there either)"
         )
-
-    def _check_tied(self) -> None:
-        for key, uses in self._tied_keys.items():
-            stages = sorted({self.stage_owner(i) for i in uses})
-            if len(stages) > 1:
-                raise NotImplementedError(
-                    f"TiedLayerSpec {key!r} is used on pipeline stages {stages} (layers "
-                    f"{uses}); fsdpx does not yet all-reduce a tied weight's gradients "
-                    "between stages, so the copies would drift apart. Keep every use of a "
-                    "tied key on one stage (partition_method / num_stages), or untie the "
-                    "layers (separate LayerSpecs)"
-                )
 
     # --- what DeepSpeed exposes --------------------------------------------------------
 
