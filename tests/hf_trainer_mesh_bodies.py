@@ -16,6 +16,8 @@ from tests.hf_trainer_bodies import PatternData, training_args
 MESH_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     "tp2": ("llama", {"tensor_parallel": {"autotp_size": 2}}, 1),
     "ep2": ("mixtral", {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 2),
+    # 4 ranks (slow tier): two tp groups, each its own data-parallel rank
+    "tp2dp2": ("llama", {"tensor_parallel": {"autotp_size": 2}}, 2),
 }
 
 

@@ -3,7 +3,7 @@ one process (same data, seed, global batch): tensor parallel (mesh.tp = 2, a tin
 and expert parallel (mesh.ep = 2, a tiny Mixtral), ZeRO-3, accumulation 2, clipping on
 every step, the linear schedule; evaluate() and predict() over the dp ranks; checkpoint-N
 resume and save_model() in Hugging Face layout. Pipeline and sequence parallel meshes are
-refused (tests/test_hf_trainer_config.py)."""
+refused (tests/test_hf_trainer_config.py). In the slow tier, tp 2 x dp 2 on 4 ranks."""
 
 from __future__ import annotations
 
@@ -14,11 +14,16 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.hf_trainer_mesh_bodies import MESH_CASES, meshed, stock
+from tests.hf_trainer_mesh_bodies import meshed, stock
 
 pytest.importorskip("transformers")
 
-CASES = list(MESH_CASES)
+CASES = ["tp2", "ep2"]
+MESHES = {
+    "tp2": {"tp": 2, "ep": 1, "dp": 1},
+    "ep2": {"tp": 1, "ep": 2, "dp": 2},
+    "tp2dp2": {"tp": 2, "ep": 1, "dp": 2},
+}
 
 
 def _env(world: int) -> dict[str, str]:
@@ -33,25 +38,37 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"tmp": tmp, "reference": reference, "ours": ours}
 
 
+def _matches(ours: dict[str, Any], ref: dict[str, Any], mesh: dict[str, int]) -> None:
+    assert ours["mesh"] == mesh
+    # micro x accumulation x dp ranks: the global batch of the one-process run
+    assert ours["total_batch"] == ref["total_batch"] == 8
+    assert len(ours["losses"]) == len(ref["losses"]) == 4
+    torch.testing.assert_close(ours["losses"], ref["losses"])
+    assert all(n is not None and n > 0.1 for n in ours["grad_norms"])  # clipping was active
+    assert ours["params"].keys() == ref["params"].keys()
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(ours["params"][name], value, msg=name)
+    torch.testing.assert_close(ours["eval_loss"], ref["eval_loss"])
+    # every sample once, in the dataset's order (not once per tensor-parallel rank)
+    assert ours["predictions"].shape == ref["predictions"].shape == (16, 16, 128)
+    torch.testing.assert_close(ours["predictions"], ref["predictions"])
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_match_the_stock_trainer(runs: dict[str, Any], case: str) -> None:
-    ref = runs["reference"][case]
-    want_mesh = {"tp2": {"tp": 2, "ep": 1, "dp": 1}, "ep2": {"tp": 1, "ep": 2, "dp": 2}}[case]
     for rank_result in runs["ours"]:
-        ours = rank_result[case]
-        assert ours["mesh"] == want_mesh
-        # micro x accumulation x dp ranks: the global batch of the one-process run
-        assert ours["total_batch"] == ref["total_batch"] == 8
-        assert len(ours["losses"]) == len(ref["losses"]) == 4
-        torch.testing.assert_close(ours["losses"], ref["losses"])
-        assert all(n is not None and n > 0.1 for n in ours["grad_norms"])  # clipping was active
-        assert ours["params"].keys() == ref["params"].keys()
-        for name, value in ref["params"].items():
-            torch.testing.assert_close(ours["params"][name], value, msg=name)
-        torch.testing.assert_close(ours["eval_loss"], ref["eval_loss"])
-        # every sample once, in the dataset's order (not once per tensor-parallel rank)
-        assert ours["predictions"].shape == ref["predictions"].shape == (16, 16, 128)
-        torch.testing.assert_close(ours["predictions"], ref["predictions"])
+        _matches(rank_result[case], runs["reference"][case], MESHES[case])
+
+
+@pytest.mark.slow
+def test_tp2_dp2_on_four_ranks_matches_the_stock_trainer(tmp_path: Path) -> None:
+    """Two tensor-parallel groups: each group's ranks get the same samples, the groups
+    different ones (the dp split of [Note: Trainer data over dp]); resume and save too."""
+    reference = run_ranks(stock, 1, (str(tmp_path), ["tp2"]), env=_env(1))[0]["tp2"]
+    ours = run_ranks(meshed, 4, (str(tmp_path), ["tp2dp2"]), env=_env(4))
+    for rank_result in ours:
+        _matches(rank_result["tp2dp2"], reference, MESHES["tp2dp2"])
+        assert rank_result["tp2dp2"]["resumed_losses"] == rank_result["tp2dp2"]["losses"]
 
 
 @pytest.mark.parametrize("case", CASES)
