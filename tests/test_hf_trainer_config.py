@@ -283,3 +283,25 @@ def test_tensor_parallel_refuses_what_would_count_samples_tp_times(tmp_path: Pat
     loader: Any = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"dispatch_batches=True: .* leave dispatch_batches off"):
         trainer.accelerator.prepare_data_loader(loader)
+
+
+def test_trainer_refuses_loss_parallel(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"tensor_parallel\.loss_parallel under fsdpx\.hf\.Trainer: .* to false",
+    ):
+        Trainer(
+            model=_tiny_model(),
+            args=args,
+            fsdpx_config={
+                "mesh": {"tp": 2},
+                "tensor_parallel": {"loss_parallel": True},
+                "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+                "gradient_clipping": args.max_grad_norm,
+            },
+        )

@@ -198,6 +198,14 @@ class Trainer(CheckpointMixin, MeshMixin, transformers.Trainer):  # type: ignore
                 "shards); use fsdpx.shard (and fsdpx.sequence.shard_batch for sp) with your own "
                 "loop for pipeline or sequence parallelism"
             )
+        if cfg.mesh.tp > 1 and cfg.tensor_parallel.loss_parallel:
+            raise NotImplementedError(
+                f"{source.name}: tensor_parallel.loss_parallel under fsdpx.hf.Trainer: its "
+                "vocabulary-sharded logits need the loss computed inside torch's "
+                "loss_parallel() context, and the Trainer computes the model's own loss on "
+                "whole logits (and gathers them for evaluation); set "
+                "tensor_parallel.loss_parallel to false"
+            )
         return cfg
 
     # --- sharding ------------------------------------------------------------------------
