@@ -285,7 +285,8 @@ def test_tensor_parallel_refuses_what_would_count_samples_tp_times(tmp_path: Pat
         trainer.accelerator.prepare_data_loader(loader)
 
 
-def test_trainer_refuses_loss_parallel(tmp_path: Path) -> None:
+@pytest.mark.parametrize("option", ["loss_parallel", "sequence_parallel"])
+def test_trainer_refuses_loss_and_sequence_parallel_inside_tp(tmp_path: Path, option: str) -> None:
     from transformers import TrainingArguments
 
     from fsdpx.hf import Trainer
@@ -293,14 +294,14 @@ def test_trainer_refuses_loss_parallel(tmp_path: Path) -> None:
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(
         NotImplementedError,
-        match=r"tensor_parallel\.loss_parallel under fsdpx\.hf\.Trainer: .* to false",
+        match=rf"tensor_parallel\.{option} under fsdpx\.hf\.Trainer: .* to false",
     ):
         Trainer(
             model=_tiny_model(),
             args=args,
             fsdpx_config={
                 "mesh": {"tp": 2},
-                "tensor_parallel": {"loss_parallel": True},
+                "tensor_parallel": {option: True},
                 "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
                 "gradient_clipping": args.max_grad_norm,
             },

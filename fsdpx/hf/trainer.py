@@ -198,6 +198,16 @@ class Trainer(CheckpointMixin, MeshMixin, transformers.Trainer):  # type: ignore
                 "shards); use fsdpx.shard (and fsdpx.sequence.shard_batch for sp) with your own "
                 "loop for pipeline or sequence parallelism"
             )
+        if cfg.mesh.tp > 1 and cfg.tensor_parallel.sequence_parallel:
+            # Tried: a tiny Llama fails in torch's PrepareModuleInput ("module inputs and
+            # input_layouts should have same length"): its decoder layer passes the
+            # attention's hidden_states by keyword.
+            raise NotImplementedError(
+                f"{source.name}: tensor_parallel.sequence_parallel under fsdpx.hf.Trainer: "
+                "Hugging Face decoder layers pass their attention's input by keyword, which "
+                "torch's sequence-parallel input preparation does not take; set "
+                "tensor_parallel.sequence_parallel to false (plain tensor parallelism runs)"
+            )
         if cfg.mesh.tp > 1 and cfg.tensor_parallel.loss_parallel:
             raise NotImplementedError(
                 f"{source.name}: tensor_parallel.loss_parallel under fsdpx.hf.Trainer: its "
