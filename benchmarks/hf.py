@@ -24,10 +24,14 @@ under ZeRO-3 in fresh processes (`torchrun`), alternately (A B B A ...):
 
 Per rank: **peak RSS growth**, the high-water mark (`VmHWM`, reset through
 `/proc/self/clear_refs` right after `import torch, transformers`) minus the RSS at that
-point, so the process group, `import fsdpx`, the model's code (transformers imports it
+point, so the process group, `import fsdpx` (fsdpx side only), the model's code (transformers imports it
 lazily: ~45 MiB for Llama, paid by both sides) and everything the load allocates count;
 also printed, the growth above the process once all of that is imported (the load
-alone); and **wall time** from a barrier before the call to a barrier after it (slowest rank).
+alone); what the load freed again by its end (VmHWM minus VmRSS right after it: a
+transient copy, such as the full model the FSDP2 side builds, shows here); for fsdpx the
+RSS above the model code after the meta build and when the first tensor is read (the
+model sharded, its shards allocated but untouched); and **wall time** from a barrier
+before the call to a barrier after it (slowest rank).
 Both sides then run one forward of the same tokens; the logits must agree (checked).
 Printed: each run, the medians, and the ratios against the goals (RSS growth <= 0.6x the
 model's bytes and <= 0.5x the fsdp2 side's, time <= 1.0x). The files are read from the
@@ -161,12 +165,17 @@ def _load_part(args: argparse.Namespace, tmp: Path) -> None:
         results[side].append(ranks)
         rss = " ".join(f"{r['rss_growth'] / 2**20:.0f}" for r in ranks)
         code = " ".join(f"{(r['rss_growth'] - r['load_growth']) / 2**20:.0f}" for r in ranks)
+        transient = " ".join(f"{r['transient'] / 2**20:.0f}" for r in ranks)
         wall = max(r["wall_s"] for r in ranks)
         print(
             f"  {side:5s} run: {wall:.2f} s, peak RSS growth per rank MiB {rss} "
-            f"(of which before the load: imports, process group, model code {code})",
+            f"(of which before the load: imports, process group, model code {code}; "
+            f"freed again by the end of the load: {transient})",
             flush=True,
         )
+        for name in ranks[0]["stages"]:
+            grown = " ".join(f"{r['stages'][name] / 2**20:.0f}" for r in ranks)
+            print(f"        RSS above the model code, {name}: MiB {grown}", flush=True)
     logits = {s: results[s][0][0]["logits"] for s in SIDES}
     diff = max(abs(a - b) for a, b in zip(logits["fsdpx"], logits["fsdp2"], strict=True))
     if diff > 1e-4:
@@ -256,14 +265,18 @@ def _load_worker(side: str, model_dir: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    import fsdpx
-    import fsdpx.hf
+    if side == "fsdpx":  # the FSDP2 side does not pay for importing fsdpx
+        import fsdpx
+        import fsdpx.hf
 
     # The model's own code (transformers imports it lazily, ~45 MiB for Llama): both sides
     # load it; the growth above this point is the loading alone.
     config = transformers.AutoConfig.from_pretrained(model_dir)
     transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     code = _status("VmRSS:")
+    stages: dict[str, int] = {}
+    if side == "fsdpx":
+        _mark_stages(stages)
     dist.barrier()
     start = time.perf_counter()
     if side == "fsdpx":
@@ -278,11 +291,39 @@ def _load_worker(side: str, model_dir: str) -> dict[str, Any]:
         fully_shard(model, mesh=mesh)
     dist.barrier()
     wall = time.perf_counter() - start
-    peak = _status("VmHWM:")
+    peak, after = _status("VmHWM:"), _status("VmRSS:")
     ids = torch.arange(8).reshape(1, 8) % model.config.vocab_size
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, -1, :16].tolist()
-    return {"rss_growth": peak - base, "load_growth": peak - code, "wall_s": wall, "logits": logits}
+    return {
+        "rss_growth": peak - base,
+        "load_growth": peak - code,
+        "transient": peak - after,
+        "stages": {k: v - code for k, v in stages.items()},
+        "wall_s": wall,
+        "logits": logits,
+    }
+
+
+def _mark_stages(stages: dict[str, int]) -> None:
+    """Where the fsdpx side's RSS grows: VmRSS after the meta build and when the first
+    tensor is read (the model is sharded and its shards allocated, untouched, by then).
+    Wraps two private functions of fsdpx.hf.loading: a diagnostic, not an API."""
+    import fsdpx.hf.loading as loading
+
+    build, load_part = loading._build_on_meta, loading._load_part
+
+    def built(*a: Any, **k: Any) -> Any:
+        out = build(*a, **k)
+        stages["built on meta"] = _status("VmRSS:")
+        return out
+
+    def reading(*a: Any, **k: Any) -> Any:
+        stages.setdefault("sharded, before the reads", _status("VmRSS:"))
+        return load_part(*a, **k)
+
+    loading._build_on_meta = built  # type: ignore[assignment]
+    loading._load_part = reading  # type: ignore[assignment]
 
 
 def _cpu_fsdp2_trainer(base: Any) -> Any:

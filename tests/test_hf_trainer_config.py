@@ -205,21 +205,103 @@ def test_best_model_needs_the_checkpoints_fsdpx_state(tmp_path: Path) -> None:
         trainer._load_best_model()
 
 
-@pytest.mark.parametrize("mesh", [{"tp": 2}, {"sp": 2}, {"ep": 2}])
-def test_trainer_refuses_meshes_beyond_data_parallel(tmp_path: Path, mesh: dict) -> None:
+@pytest.mark.parametrize("mesh", [{"pp": 2}, {"sp": 2}])
+def test_trainer_refuses_pipeline_and_sequence_parallel_meshes(tmp_path: Path, mesh: dict) -> None:
+    """tp and ep run (tests/test_hf_trainer_mesh.py); pp and sp are refused when the
+    Trainer is built, before any sharding."""
     from transformers import TrainingArguments
 
     from fsdpx.hf import Trainer
 
     model = _tiny_model()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    with pytest.raises(NotImplementedError, match=r"runs data-parallel meshes only .*mesh\.sp="):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"runs data-, tensor- and expert-parallel meshes .* got mesh\.pp=\d, mesh\.sp=\d\. ",
+    ):
         Trainer(
             model=model,
             args=args,
             fsdpx_config={
                 "zero": {"stage": 2},
                 "mesh": mesh,
+                "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+                "gradient_clipping": args.max_grad_norm,
+            },
+        )
+
+
+def test_dp_rank_drops_the_tensor_and_sequence_coordinates() -> None:
+    from fsdpx.hf.trainer_mesh import dp_rank
+    from fsdpx.parallel_dims import ParallelDims
+
+    # world mesh (pp, dp_replicate, dp_shard, sp, tp) = (1, 2, 2, 1, 2): ranks 0-1 are
+    # dp rank 0, 2-3 dp rank 1, ...
+    dims = ParallelDims(pp=1, dp_replicate=2, dp_shard=2, tp=2, world_size=8)
+    assert [dp_rank(dims, r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=4, tp=1, world_size=4, ep=2)
+    assert [dp_rank(dims, r) for r in range(4)] == [0, 1, 2, 3]  # ep ranks are dp ranks
+
+
+def test_deepspeed_batch_rule_divides_the_world_by_tp_and_sp() -> None:
+    from fsdpx.hf.trainer_config import deepspeed_dp_world
+
+    assert deepspeed_dp_world({"tensor_parallel": {"autotp_size": 2}}, 8) == 4
+    assert deepspeed_dp_world({"sequence_parallel_size": 2, "zero_optimization": {}}, 8) == 4
+    assert deepspeed_dp_world({"zero_optimization": {"stage": 3}}, 8) == 8
+    # train_batch_size "auto" is micro x accumulation x dp, not x world
+    data = fill_deepspeed(
+        {"train_batch_size": "auto", "tensor_parallel": {"autotp_size": 2}}, _args(), 4, None, "x"
+    )
+    assert data["train_batch_size"] == 8 * 2 * 4
+
+
+def _tensor_parallel_trainer(tmp_path: Path, **kw: Any) -> Any:
+    """A one-process Trainer given a 2-rank tp mesh by hand: the mesh plumbing's refusals
+    without spawning ranks."""
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+    from fsdpx.parallel_dims import ParallelDims
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+    trainer = Trainer(model=_tiny_model(), args=args)
+    trainer._install_mesh(ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=2, world_size=2))
+    return trainer
+
+
+def test_tensor_parallel_refuses_what_would_count_samples_tp_times(tmp_path: Path) -> None:
+    import torch
+
+    with pytest.raises(ValueError, match=r"include_num_input_tokens_seen='all' with mesh\.tp=2"):
+        _tensor_parallel_trainer(tmp_path, include_num_input_tokens_seen="all")
+    trainer = _tensor_parallel_trainer(tmp_path)
+    assert trainer.get_tp_size() == 2
+    with pytest.raises(ValueError, match=r"eval_use_gather_object=True with tensor parallelism"):
+        trainer.gather_function(torch.zeros(2), use_gather_object=True)
+    trainer.accelerator.dataloader_config.dispatch_batches = True
+    loader: Any = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dispatch_batches=True: .* leave dispatch_batches off"):
+        trainer.accelerator.prepare_data_loader(loader)
+
+
+@pytest.mark.parametrize("option", ["loss_parallel", "sequence_parallel"])
+def test_trainer_refuses_loss_and_sequence_parallel_inside_tp(tmp_path: Path, option: str) -> None:
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"tensor_parallel\.{option} under fsdpx\.hf\.Trainer: .* to false",
+    ):
+        Trainer(
+            model=_tiny_model(),
+            args=args,
+            fsdpx_config={
+                "mesh": {"tp": 2},
+                "tensor_parallel": {option: True},
                 "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
                 "gradient_clipping": args.max_grad_norm,
             },

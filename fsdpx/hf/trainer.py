@@ -45,8 +45,12 @@ them, which would cast the sharded fp32 masters.
 activation checkpointing of the model's blocks (every `every_n_layers`-th), not
 transformers' own.
 
-Data loaders split batches over every rank, so the mesh must be data-parallel only
-(ZeRO 0-3, HSDP): tensor / pipeline parallel meshes are refused here.
+Meshes: data parallel (ZeRO 0-3, HSDP), tensor parallel (`mesh.tp`: the data loaders
+split batches over the dp ranks only, fsdpx/hf/trainer_mesh.py, [Note: Trainer data over
+dp]) and expert parallel (`mesh.ep`: ep ranks are dp ranks). Pipeline parallelism (the
+Trainer's loop runs one forward and backward per micro-batch, a pipeline schedule runs
+them all at once) and sequence parallelism (the Trainer's token counts and loss scaling
+would have to be sequence-sharded too) are refused.
 """
 
 from __future__ import annotations
@@ -64,7 +68,15 @@ import fsdpx
 from fsdpx.config import ActivationCheckpointConfig, Config
 from fsdpx.engine import Engine
 from fsdpx.hf.trainer_checkpoint import CheckpointMixin
-from fsdpx.hf.trainer_config import check_native, default_config, fill_deepspeed, resolve_source
+from fsdpx.hf.trainer_config import (
+    check_native,
+    deepspeed_dp_world,
+    default_config,
+    fill_deepspeed,
+    resolve_source,
+)
+from fsdpx.hf.trainer_mesh import MeshMixin
+from fsdpx.parallel_dims import ParallelDims
 from fsdpx.precision import autocast_context
 
 __all__ = ["Trainer"]
@@ -110,7 +122,7 @@ class _EngineSteppedScheduler:
         return getattr(self._scheduler, name)
 
 
-class Trainer(CheckpointMixin, transformers.Trainer):  # type: ignore[misc]
+class Trainer(CheckpointMixin, MeshMixin, transformers.Trainer):  # type: ignore[misc]
     """`transformers.Trainer` on fsdpx. Takes everything `Trainer` takes plus
     `fsdpx_config=`: an `fsdpx.Config`, a dict, or a path to a native config or to a
     DeepSpeed JSON (the file `--deepspeed` takes; "auto" values are filled from the
@@ -132,6 +144,7 @@ class Trainer(CheckpointMixin, transformers.Trainer):  # type: ignore[misc]
         self.engine: Engine | None = None
         self._grad_norm_slot: torch.Tensor | None = None
         self._rng_after_load: dict[str, Any] | None = None
+        self._fsdpx_dims: ParallelDims | None = None
         if self.args.bf16_full_eval or self.args.fp16_full_eval:
             raise ValueError(
                 "fsdpx.hf.Trainer evaluates in the engine's precision; bf16_full_eval / "
@@ -145,7 +158,8 @@ class Trainer(CheckpointMixin, transformers.Trainer):  # type: ignore[misc]
                 "section in fsdpx_config"
             )
         # Everything about the config that can be wrong is found now, before any sharding.
-        self._fsdpx_config(max_steps=None)
+        cfg = self._fsdpx_config(max_steps=None)
+        self._install_mesh(ParallelDims.from_config(cfg.mesh, self.args.world_size))
         self.accelerator.backward = self._engine_backward
 
     @property
@@ -162,7 +176,8 @@ class Trainer(CheckpointMixin, transformers.Trainer):  # type: ignore[misc]
             cfg = default_config(self.args)
         elif source.native is None:
             assert source.deepspeed is not None
-            data = fill_deepspeed(source.deepspeed, self.args, world, max_steps, source.name)
+            dp_world = deepspeed_dp_world(source.deepspeed, world)
+            data = fill_deepspeed(source.deepspeed, self.args, dp_world, max_steps, source.name)
             sched = data.get("scheduler", {}).get("params", {})
             if max_steps is None:  # validating before the step count is known
                 warmup = sched.get("warmup_num_steps")
@@ -174,13 +189,32 @@ class Trainer(CheckpointMixin, transformers.Trainer):  # type: ignore[misc]
         else:
             cfg = source.native
             check_native(cfg, self.args, source.name)
-        if cfg.mesh.tp > 1 or cfg.mesh.pp > 1 or cfg.mesh.sp > 1 or cfg.mesh.ep > 1:
+        if cfg.mesh.pp > 1 or cfg.mesh.sp > 1:
             raise NotImplementedError(
-                f"{source.name}: fsdpx.hf.Trainer runs data-parallel meshes only (ZeRO 0-3, "
-                f"HSDP); got mesh.tp={cfg.mesh.tp}, mesh.pp={cfg.mesh.pp}, "
-                f"mesh.sp={cfg.mesh.sp}, mesh.ep={cfg.mesh.ep}. The Trainer's data loader "
-                "splits batches over every rank; use fsdpx.shard (and fsdpx.sequence.shard_batch "
-                "for sp) with your own loop for tensor, pipeline, sequence or expert parallelism"
+                f"{source.name}: fsdpx.hf.Trainer runs data-, tensor- and expert-parallel "
+                f"meshes (ZeRO 0-3, HSDP, mesh.tp, mesh.ep); got mesh.pp={cfg.mesh.pp}, "
+                f"mesh.sp={cfg.mesh.sp}. The Trainer's loop runs one micro-batch at a time "
+                "(no pipeline schedule) and counts tokens over whole sequences (no sequence "
+                "shards); use fsdpx.shard (and fsdpx.sequence.shard_batch for sp) with your own "
+                "loop for pipeline or sequence parallelism"
+            )
+        if cfg.mesh.tp > 1 and cfg.tensor_parallel.sequence_parallel:
+            # Tried: a tiny Llama fails in torch's PrepareModuleInput ("module inputs and
+            # input_layouts should have same length"): its decoder layer passes the
+            # attention's hidden_states by keyword.
+            raise NotImplementedError(
+                f"{source.name}: tensor_parallel.sequence_parallel under fsdpx.hf.Trainer: "
+                "Hugging Face decoder layers pass their attention's input by keyword, which "
+                "torch's sequence-parallel input preparation does not take; set "
+                "tensor_parallel.sequence_parallel to false (plain tensor parallelism runs)"
+            )
+        if cfg.mesh.tp > 1 and cfg.tensor_parallel.loss_parallel:
+            raise NotImplementedError(
+                f"{source.name}: tensor_parallel.loss_parallel under fsdpx.hf.Trainer: its "
+                "vocabulary-sharded logits need the loss computed inside torch's "
+                "loss_parallel() context, and the Trainer computes the model's own loss on "
+                "whole logits (and gathers them for evaluation); set "
+                "tensor_parallel.loss_parallel to false"
             )
         return cfg
 

@@ -7,7 +7,7 @@ differs, listing all of them at once; the same pairs are used here:
 
     train_micro_batch_size_per_gpu   per_device_train_batch_size
     gradient_accumulation_steps      gradient_accumulation_steps
-    train_batch_size                 world_size x the two above
+    train_batch_size                 data-parallel world x the two above
     gradient_clipping                max_grad_norm
     optimizer.params.lr / betas / eps / weight_decay
                                      learning_rate / (adam_beta1, adam_beta2) / adam_epsilon / weight_decay
@@ -37,7 +37,14 @@ from fsdpx.config import Config
 from fsdpx.deepspeed._json import load_deepspeed_config
 from fsdpx.deepspeed._keys import DS_KEYS
 
-__all__ = ["ConfigSource", "check_native", "default_config", "fill_deepspeed", "resolve_source"]
+__all__ = [
+    "ConfigSource",
+    "check_native",
+    "deepspeed_dp_world",
+    "default_config",
+    "fill_deepspeed",
+    "resolve_source",
+]
 
 _NATIVE_TOP = {f.name for f in dataclasses.fields(Config)}
 _DS_TOP = {key.split(".", 1)[0] for key in DS_KEYS}
@@ -119,6 +126,18 @@ def _put(data: dict[str, Any], key: str, value: Any) -> None:
     node[last] = value
 
 
+def deepspeed_dp_world(data: dict[str, Any], world_size: int) -> int:
+    """The data-parallel ranks of a DeepSpeed JSON's job: the world divided by its
+    tensor-parallel, sequence-parallel and pipeline sizes, as DeepSpeed's batch rule does
+    (a size that does not divide the world is `Config.from_deepspeed`'s error)."""
+    split = 1
+    for key in ("tensor_parallel.autotp_size", "sequence_parallel_size", "pipeline.stages"):
+        value = _get(data, key)
+        if isinstance(value, int) and value > 0:
+            split *= value
+    return max(1, world_size // split)
+
+
 def fill_deepspeed(
     data: dict[str, Any], args: Any, world_size: int, max_steps: int | None, name: str
 ) -> dict[str, Any]:
@@ -133,7 +152,7 @@ def fill_deepspeed(
         (
             "train_batch_size",
             world_size * mbs * gas,
-            "train_batch_size (world x micro x accumulation)",
+            "train_batch_size (data-parallel world x micro x accumulation)",
         ),
         ("gradient_clipping", args.max_grad_norm, "max_grad_norm"),
         ("optimizer.params.lr", args.learning_rate, "learning_rate"),
