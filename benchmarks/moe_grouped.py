@@ -43,13 +43,18 @@ differ (not measured).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fsdpx.moe.experts import Experts
+
+LOOP = "per-expert loop (modules)"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _counts(tokens: int, experts: int, seed: int) -> list[int]:
@@ -59,40 +64,87 @@ def _counts(tokens: int, experts: int, seed: int) -> list[int]:
     return torch.bincount(idx, minlength=experts).tolist()
 
 
-def _times(cases: dict[str, Callable[[], torch.Tensor]], repeat: int) -> dict[str, float]:
-    """The fastest of `repeat` runs of each case, the cases interleaved round by round.
+@dataclass
+class Timing:
+    """One way's seconds over the interleaved rounds, and its speedup over the module loop
+    (the median over rounds of loop seconds / this way's seconds in the same round)."""
+
+    median: float
+    best: float
+    speedup: float
+
+
+def _clock(device: torch.device, clock: str) -> Callable[[], float]:
+    """Seconds now: the process's CPU time (clock "cpu": on a shared CPU machine the time
+    other jobs hold the cores is not counted) or wall time (after a CUDA synchronize)."""
+    if device.type == "cuda":
+
+        def wall() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return wall
+    return time.process_time if clock == "cpu" else time.perf_counter
+
+
+def _times(
+    cases: dict[str, Callable[[], torch.Tensor]], repeat: int, now: Callable[[], float]
+) -> dict[str, Timing]:
+    """`repeat` rounds, each running every case once in turn; medians and paired ratios.
 
     [Note: timing on a shared machine] Other jobs on the same cores slow down whichever
-    case runs while they are busy; interleaving spreads that over all cases, and the
-    minimum is the run the least disturbed.
+    case runs while they are busy. The cases are interleaved round by round so a busy
+    stretch hits all of them, each case's figure is its median round, and its speedup is
+    the median of its per-round ratios to the module loop of the same round (paired, so a
+    slow round cancels). On CPU the clock is the process's CPU time by default, which does
+    not count the time the scheduler gives the cores to other jobs (wall time does: --clock
+    wall). Cache and memory-bandwidth contention still leak in; rerun to see the spread.
     """
     for fn in cases.values():
         fn()  # warm-up
     runs: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
-            start = time.perf_counter()
+            start = now()
             fn()
-            runs[name].append(time.perf_counter() - start)
-    return {name: min(ts) for name, ts in runs.items()}
+            runs[name].append(now() - start)
+    base = runs[LOOP]
+    return {
+        name: Timing(
+            median=statistics.median(ts),
+            best=min(ts),
+            speedup=statistics.median(b / t for b, t in zip(base, ts, strict=True)),
+        )
+        for name, ts in runs.items()
+    }
 
 
 def measure(
-    experts: int, tokens: int, hidden: int, ffn: int, repeat: int
-) -> tuple[list[int], dict[str, float]]:
-    """(per-expert row counts, the fastest seconds of each way) for one local expert set;
-    every way's output is checked against the module loop's first."""
+    experts: int,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    repeat: int,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    clock: str = "cpu",
+) -> tuple[list[int], dict[str, Timing]]:
+    """(per-expert row counts, each way's Timing) for one local expert set; every way's
+    output is checked against the module loop's first."""
+    dev = torch.device(device)
     torch.manual_seed(0)
     template = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
     counts = _counts(tokens, experts, seed=1)
-    rows = torch.randn(sum(counts), hidden)
-    stacked = Experts(template, experts, reinit=True)
+    rows = torch.randn(sum(counts), hidden).to(dev, dtype)
+    stacked = Experts(template, experts, grouped="loop", reinit=True).to(dev, dtype)
     modules = nn.ModuleList(
         [
             nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
             for _ in range(experts)
         ]
     )
+    modules.to(dev, dtype)
 
     def module_loop() -> torch.Tensor:
         x = rows.detach().requires_grad_()
@@ -121,25 +173,25 @@ def measure(
 
     for m, e in zip(modules, range(experts), strict=True):  # same weights everywhere
         with torch.no_grad():
-            m[0].weight.copy_(w1[e])
-            m[0].bias.copy_(b1[e])
-            m[2].weight.copy_(w2[e])
-            m[2].bias.copy_(b2[e])
+            for name, stack in (("0.weight", w1), ("0.bias", b1), ("2.weight", w2), ("2.bias", b2)):
+                m.get_parameter(name).copy_(stack[e])
     reference = module_loop()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
     cases: dict[str, Callable[[], torch.Tensor]] = {
-        "per-expert loop (modules)": module_loop,
+        LOOP: module_loop,
         "sorted loop": grouped("loop"),
         "padded bmm": grouped("padded"),
+        "fused (grouped_mlp)": grouped("fused"),
     }
     if hasattr(torch, "_grouped_mm"):
         try:
-            torch.testing.assert_close(grouped("grouped_mm")(), reference, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(grouped("grouped_mm")(), reference, rtol=tol, atol=tol)
             cases["torch._grouped_mm"] = grouped("grouped_mm")
         except (RuntimeError, NotImplementedError) as exc:
             print(f"torch._grouped_mm: not usable on this build/device: {str(exc).splitlines()[0]}")
-    for name in ("sorted loop", "padded bmm"):
-        torch.testing.assert_close(cases[name](), reference, rtol=1e-4, atol=1e-4)
-    return counts, _times(cases, repeat)
+    for name in ("sorted loop", "padded bmm", "fused (grouped_mlp)"):
+        torch.testing.assert_close(cases[name](), reference, rtol=tol, atol=tol)
+    return counts, _times(cases, repeat, _clock(dev, clock))
 
 
 def main() -> None:
@@ -148,15 +200,43 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=512)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=15, help="interleaved rounds (medians)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=list(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
+    ap.add_argument(
+        "--clock", choices=["cpu", "wall"], default="cpu", help="on cpu (cuda: always wall)"
+    )
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device; run on a GPU "
+            "machine with a CUDA build of torch, or use --device cpu"
+        )
+    dtype = DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
     torch.set_num_threads(args.threads)
-    counts, best = measure(args.experts, args.tokens, args.hidden, args.ffn, args.repeat)
-    print(f"experts={args.experts} rows={sum(counts)} counts={counts} threads={args.threads}")
-    base = best["per-expert loop (modules)"]
-    for name, t in best.items():
-        print(f"{name:28s} {t * 1e3:9.2f} ms   speedup vs module loop {base / t:.3f}")
+    counts, timed = measure(
+        args.experts,
+        args.tokens,
+        args.hidden,
+        args.ffn,
+        args.repeat,
+        device=args.device,
+        dtype=dtype,
+        clock=args.clock,
+    )
+    clock = "wall (synchronized)" if args.device == "cuda" else f"{args.clock} time"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} thread(s)"
+    print(
+        f"experts={args.experts} rows={sum(counts)} counts={counts} hidden={args.hidden} "
+        f"ffn={args.ffn} {args.device} ({where}) {str(dtype).removeprefix('torch.')} "
+        f"clock={clock} rounds={args.repeat}"
+    )
+    for name, t in timed.items():
+        print(
+            f"{name:28s} median {t.median * 1e3:9.2f} ms  best {t.best * 1e3:9.2f} ms  "
+            f"speedup vs module loop {t.speedup:.3f}"
+        )
 
 
 if __name__ == "__main__":
