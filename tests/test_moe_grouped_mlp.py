@@ -6,6 +6,10 @@ and without biases, each activation kind (aten kernels and the autograd fallback
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +94,42 @@ def test_gated_equals_the_loop(act: nn.Module) -> None:
     ref_grads = torch.autograd.grad(ref.square().sum(), (x, gate_up, down))
     for name, g, r in zip(("x", "gate_up", "down"), grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, msg=name)
+
+
+def test_grouped_benchmark_refuses_cuda_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: test_grouped_benchmark_on_cuda runs instead")
+    proc = _benchmark("--device", "cuda")
+    assert proc.returncode != 0
+    assert re.search(r"--device cuda: torch \S+ sees no CUDA device", proc.stderr), proc.stderr
+
+
+@pytest.mark.gpu
+def test_fused_and_grouped_mm_on_cuda_equal_the_loop() -> None:
+    """bf16 on a GPU: the fused node and torch._grouped_mm against the sorted loop."""
+    torch.manual_seed(0)
+    # 16 / 32 features: torch._grouped_mm on CUDA wants 16-byte-aligned rows.
+    template = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    loop = Experts(template, 4, grouped="loop", reinit=True).cuda().bfloat16()
+    x = torch.randn(sum(COUNTS) * 8, 16, device="cuda", dtype=torch.bfloat16)
+    counts = [c * 8 for c in COUNTS]
+    ref = loop(x, counts)
+    for mode in ("fused", "grouped_mm"):
+        other = copy.deepcopy(loop)
+        other.grouped = mode  # type: ignore[assignment]
+        torch.testing.assert_close(other(x, counts), ref, msg=mode)
+
+
+@pytest.mark.gpu
+def test_grouped_benchmark_on_cuda() -> None:
+    """benchmarks/moe_grouped.py --device cuda end to end (bf16, every way checked against
+    the module loop before timing)."""
+    proc = _benchmark("--device", "cuda", "--tokens", "1024", "--repeat", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "torch._grouped_mm" in proc.stdout and "bfloat16" in proc.stdout, proc.stdout
+
+
+def _benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_grouped.py"
+    cmd = [sys.executable, str(script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -41,6 +41,10 @@ def test_per_expert_blocks_found_and_refused() -> None:
         ValueError, match=r"experts of '0' number 4, not divisible by mesh.ep \(3\)"
     ):
         check_per_expert("0", block, ep=3)
+    block.jitter_noise = 0.1  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"0 multiplies its inputs by router jitter noise"):
+        check_per_expert("0", block, ep=2)
+    block.jitter_noise = 0.0  # type: ignore[assignment]
     block.experts[1].w2 = nn.Linear(pb.FFN, pb.D, bias=True)
     with pytest.raises(ValueError, match=r"0.experts.1 has parameters .*\['w2.bias'\]"):
         check_per_expert("0", block, ep=2)

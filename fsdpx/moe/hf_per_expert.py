@@ -101,6 +101,12 @@ def check_per_expert(name: str, block: nn.Module, ep: int) -> None:
             f"{name}.gate must be a bias-free Linear with one output per expert "
             f"({len(experts)}); got {gate}. Set mesh.ep to 1"
         )
+    if getattr(block, "jitter_noise", 0):
+        raise ValueError(
+            f"{name} multiplies its inputs by router jitter noise "
+            f"({block.jitter_noise}) in training; fsdpx's routing for per-expert blocks "
+            "does not, so set the model's router_jitter_noise to 0 or mesh.ep to 1"
+        )
     if block.top_k > len(experts):  # type: ignore[operator]
         raise ValueError(f"{name}: top_k ({block.top_k}) exceeds the {len(experts)} experts")
     if len(experts) % ep != 0:
