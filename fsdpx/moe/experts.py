@@ -16,7 +16,7 @@ other parameter. A ModuleList of experts would need per-rank module surgery inst
 with per-expert counts. Four ways to run them, all on the same stacked weights:
 `grouped="fused"` (experts of the form Sequential(Linear, activation, Linear)) is one
 autograd node for all local experts, fsdpx/moe/grouped_mlp.py ([Note: fused grouped MLP]):
-the fastest on CPU in benchmarks/moe_grouped.py, 1.2-1.3x a per-expert module loop at 8
+the fastest on CPU in benchmarks/moe_grouped.py, 1.1-1.2x a per-expert module loop at 8
 local experts (README, Measured); `grouped="grouped_mm"` (same expert form) runs each
 Linear as one `torch._grouped_mm` over all local experts with per-expert row offsets (on
 CPU a per-group loop inside one op; on a GPU one kernel: its case there);
