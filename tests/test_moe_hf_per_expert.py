@@ -70,3 +70,11 @@ def test_per_expert_checkpoint_saved_at_ep2_loads_without_ep(tmp_path: Path) -> 
         assert "model.layers.1.mlp.experts.2.w3.weight.exp_avg" in saved
         for key, value in saved.items():
             assert torch.equal(value, loaded[key]), f"rank {rank}: {key} differs after the load"
+
+
+@pytest.mark.slow  # default-tier twin: test_mixtral_and_qwen_per_expert_ep2 (edp 1)
+def test_per_expert_ep2_times_edp2() -> None:
+    """4 ranks: ep 2 x expert-data-parallel 2 (the experts' rows FSDP-sharded over edp)."""
+    pytest.importorskip("transformers")
+    kinds = ["mixtral_per_expert"]
+    _check(run_ranks(hb.ep_sweep_body, 4, args=(kinds, {"mesh": {"ep": 2}})), kinds, dp=4)
