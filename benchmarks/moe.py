@@ -21,6 +21,8 @@ seed on the same batches (`--batch` sequences per rank) at ZeRO-3 with AdamW:
   layer over tokens padded to the busiest expert) instead of the sorted per-expert loop;
 - `replicated_grouped_mm`: the same with `grouped="grouped_mm"` (one torch._grouped_mm
   per expert Linear over all experts' rows);
+- `replicated_fused`: the same with `grouped="fused"` (fsdpx/moe/grouped_mlp.py: one
+  autograd node for all local experts; the default "auto" picks it for these experts);
 - `ep2`, `ep4`: mesh.ep = 2 / 4, each rank owns 4 / 2 experts, tokens travel by
   all_to_all, experts are FSDP-sharded over the remaining 2 / 1 ranks.
 
@@ -72,6 +74,7 @@ LAYOUTS: dict[str, tuple[int, str]] = {  # name -> (mesh.ep, grouped)
     "replicated": (1, "loop"),
     "replicated_padded": (1, "padded"),
     "replicated_grouped_mm": (1, "grouped_mm"),
+    "replicated_fused": (1, "fused"),
     "ep2": (2, "loop"),
     "ep4": (4, "loop"),
 }
@@ -233,7 +236,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=256)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--repeat", type=int, default=5, help="runs of the expert-compute timing")
+    p.add_argument("--repeat", type=int, default=15, help="rounds of the expert-compute timing")
     p.add_argument("--grouped-tokens", type=int, default=4096, help="tokens of that timing")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 32, seq 16")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -276,11 +279,13 @@ def main() -> None:
                 f"{r['a2a'] / mib:8.3f} {r['formula'] / mib:8.3f} "
                 f"{ratio:>6} {r['loss']:7.4f}"
             )
-        counts, best = measure(EXPERTS, args.grouped_tokens, args.hidden, args.ffn, args.repeat)
-        loop = best["per-expert loop (modules)"]
-        print(f"expert compute, 8 local experts, rows {sum(counts)} (counts {counts}), 1 thread:")
-        for name, t in best.items():
-            print(f"  {name:<26} {t * 1e3:8.2f} ms  speedup vs module loop {loop / t:.3f}")
+        counts, timed = measure(EXPERTS, args.grouped_tokens, args.hidden, args.ffn, args.repeat)
+        print(
+            f"expert compute, 8 local experts, rows {sum(counts)} (counts {counts}), 1 thread, "
+            f"CPU time, median of {args.repeat} interleaved rounds:"
+        )
+        for name, t in timed.items():
+            print(f"  {name:<26} {t.median * 1e3:8.2f} ms  speedup vs module loop {t.speedup:.3f}")
     dist.barrier()
     dist.destroy_process_group()
 

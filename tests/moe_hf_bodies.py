@@ -59,6 +59,13 @@ def make_model(kind: str) -> nn.Module:
             **common,
         )
         model = DeepseekV3ForCausalLM(cfg)
+    elif kind in ("mixtral_per_expert", "qwen_per_expert"):
+        # transformers' decoder with the per-expert blocks of older versions / hub code.
+        from tests.moe_per_expert_bodies import per_expert_model
+
+        return per_expert_model(
+            make_model(kind.split("_")[0].replace("qwen", "qwen3_moe")), kind.startswith("qwen")
+        )
     else:
         raise ValueError(kind)
     # Experts start from different values (transformers' init may leave them equal/empty).

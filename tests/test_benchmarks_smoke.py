@@ -169,7 +169,8 @@ def test_long_context_script_runs() -> None:
 def test_moe_script_runs() -> None:
     out = _run(["moe.py", "--steps", "1", "--warmup", "1", "--tiny", "--repeat", "1"], 4)
     losses = []
-    for name in ("replicated", "replicated_padded", "replicated_grouped_mm", "ep2", "ep4"):
+    layouts = ("replicated", "replicated_padded", "replicated_grouped_mm", "replicated_fused")
+    for name in (*layouts, "ep2", "ep4"):
         # name, step s, x repl, state / experts / estimate MiB, gather / estimate MiB,
         # a2a / formula MiB, a2a/f (or -), loss
         row = _line(rf"{name}\s+{NUM}\s+{NUM}(\s+{NUM}){{7}}\s+({NUM}|-)\s+{NUM}", out)

@@ -204,5 +204,5 @@ def test_grouped_benchmark_runs() -> None:
         [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
-    for name in ("per-expert loop (modules)", "sorted loop", "padded bmm"):
+    for name in ("per-expert loop (modules)", "sorted loop", "padded bmm", "fused (grouped_mlp)"):
         assert name in proc.stdout, proc.stdout

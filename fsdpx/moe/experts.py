@@ -13,18 +13,20 @@ FSDP shards the local [E/ep, ...] block over the expert-data-parallel ranks like
 other parameter. A ModuleList of experts would need per-rank module surgery instead.
 
 [Note: grouped expert compute] The tokens of the local experts arrive sorted by expert,
-with per-expert counts. `grouped="padded"` copies them into an [experts, max_count, d]
-buffer and runs the template once under `torch.func.vmap` (for Linear layers that is one
-batched matmul per layer); `grouped="loop"` slices the sorted tokens and runs the
-template per expert with `torch.func.functional_call`. benchmarks/moe_grouped.py measures
-both (and torch._grouped_mm for an MLP) on CPU against DeepSpeed's one-module-per-expert
-loop: on CPU none is reliably faster than that loop (numbers in its docstring), the
-padded form is the slowest under uneven loads, so the default is "loop".
-`grouped="grouped_mm"` (experts of the form Sequential(Linear, activation, Linear) only)
-runs each Linear as one `torch._grouped_mm` over all local experts with per-expert row
-offsets: 1.24x the per-expert module loop on CPU in benchmarks/moe.py's last run (README,
-Measured; below the issue's 1.5x), not the default because it covers only that expert form and its summation order differs from the
-loop's (results equal to fp32 rounding, not bitwise).
+with per-expert counts. Four ways to run them, all on the same stacked weights:
+`grouped="fused"` (experts of the form Sequential(Linear, activation, Linear)) is one
+autograd node for all local experts, fsdpx/moe/grouped_mlp.py ([Note: fused grouped MLP]):
+the fastest on CPU in benchmarks/moe_grouped.py, 1.1-1.2x a per-expert module loop at 8
+local experts (README, Measured); `grouped="grouped_mm"` (same expert form) runs each
+Linear as one `torch._grouped_mm` over all local experts with per-expert row offsets (on
+CPU a per-group loop inside one op; on a GPU one kernel: its case there);
+`grouped="loop"` slices the sorted tokens and runs the template per expert with
+`torch.func.functional_call` (any expert module); `grouped="padded"` copies them into an
+[experts, max_count, d] buffer and runs the template once under `torch.func.vmap` (one
+batched matmul per layer), the slowest under uneven loads. The default, "auto", is
+"fused" for the Linear-activation-Linear form and "loop" for any other expert. The fused
+path computes the loop's matmuls on the same row blocks, so its results equal the loop's
+(tests/test_moe_grouped_mlp.py); grouped_mm sums in its own order (fp32 rounding).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call, vmap
 
-Grouped = Literal["padded", "loop", "grouped_mm"]
+from fsdpx.moe.grouped_mlp import grouped_mlp
+
+Grouped = Literal["auto", "fused", "padded", "loop", "grouped_mm"]
+_MODES = ("auto", "fused", "padded", "loop", "grouped_mm")
 
 
 class Experts(nn.Module):
@@ -47,16 +52,20 @@ class Experts(nn.Module):
         self,
         template: nn.Module,
         num_experts: int,
-        grouped: Grouped = "loop",
+        grouped: Grouped = "auto",
         reinit: bool = False,
         *,
         sources: list[nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        if grouped not in ("padded", "loop", "grouped_mm"):
-            raise ValueError(f"grouped must be 'padded', 'loop' or 'grouped_mm'; got {grouped!r}")
-        if grouped == "grouped_mm":
-            _check_mlp(template)
+        if grouped not in _MODES:
+            raise ValueError(
+                f"grouped must be one of {', '.join(repr(m) for m in _MODES)}; got {grouped!r}"
+            )
+        if grouped == "auto":
+            grouped = "fused" if _mlp_problem(template) is None else "loop"
+        elif grouped in ("fused", "grouped_mm"):
+            _check_mlp(template, grouped)
         if any(True for _ in template.buffers()):
             names = [n for n, _ in template.named_buffers()]
             raise ValueError(
@@ -82,7 +91,7 @@ class Experts(nn.Module):
             setattr(owner, leaf, nn.Parameter(stacked))
 
     @classmethod
-    def from_modules(cls, modules: list[nn.Module], grouped: Grouped = "loop") -> Experts:
+    def from_modules(cls, modules: list[nn.Module], grouped: Grouped = "auto") -> Experts:
         """Stack existing experts (one module each, one class, no buffers) keeping each
         one's own values: expert j's parameters become row j of the stacked tensors
         (fsdpx/moe/plan.py converts a model's ModuleList of experts with it)."""
@@ -127,6 +136,17 @@ class Experts(nn.Module):
                 outs.append(functional_call(self.expert, one, (x[start : start + n],)))
                 start += n
             return torch.cat(outs)
+        if self.grouped == "fused":
+            act = self.expert.get_submodule("1")  # the activation (_check_mlp)
+            return grouped_mlp(
+                x,
+                params["0.weight"],
+                params.get("0.bias"),
+                params["2.weight"],
+                params.get("2.bias"),
+                counts,
+                act,
+            )
         if self.grouped == "grouped_mm":
             return self._grouped_mm(x, counts, params)
         return self._padded(x, counts, params)
@@ -164,25 +184,33 @@ class Experts(nn.Module):
         return out.reshape(num * width, -1).index_select(0, flat)
 
 
-def _check_mlp(template: nn.Module) -> None:
-    """grouped="grouped_mm" computes nn.Sequential(Linear, activation, Linear) only."""
+def _mlp_problem(template: nn.Module) -> str | None:
+    """Why `template` is not nn.Sequential(Linear, parameterless activation, Linear), or None."""
     parts = list(template.children()) if isinstance(template, nn.Sequential) else []
     ok = (
         len(parts) == 3
         and isinstance(parts[0], nn.Linear)
         and isinstance(parts[2], nn.Linear)
         and not any(True for _ in parts[1].parameters())
+        and not any(True for _ in parts[1].buffers())
     )
     if not ok:
-        raise ValueError(
-            "grouped='grouped_mm' computes experts of the form nn.Sequential(nn.Linear, an "
-            f"activation without parameters, nn.Linear); got {template!r}. Use "
-            "grouped='loop' (any expert module)"
+        return (
+            "it computes experts of the form nn.Sequential(nn.Linear, an activation without "
+            f"parameters, nn.Linear); got {template!r}"
         )
-    if not hasattr(torch, "_grouped_mm"):
+    return None
+
+
+def _check_mlp(template: nn.Module, grouped: str) -> None:
+    """grouped="fused" / "grouped_mm" compute nn.Sequential(Linear, activation, Linear) only."""
+    problem = _mlp_problem(template)
+    if problem is not None:
+        raise ValueError(f"grouped={grouped!r}: {problem}. Use grouped='loop' (any expert module)")
+    if grouped == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
         raise ValueError(
             f"grouped='grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} "
-            "lacks; use grouped='loop'"
+            "lacks; use grouped='fused'"
         )
 
 

@@ -11,7 +11,9 @@ all experts. Router, shared experts and the rest of the block are untouched, and
 parameter names stay the model's, so `from_pretrained` files and checkpoints still match.
 
 [Note: fused layouts fsdpx runs] The experts' `_apply_gate` (transformers' hook for the
-gate activation) is honoured; layouts transformers marks as transposed, interleaved,
+gate activation) is honoured: transformers' default (act_fn on the gate half times the up
+half) runs as one fused gated node over the local experts (fsdpx/moe/grouped_mlp.py),
+any other as a per-expert loop calling it; layouts transformers marks as transposed, interleaved,
 biased, gate-less or with a post-expert norm (GPT-OSS and others) are refused with an
 error rather than computed wrongly. A model whose experts are neither fsdpx.moe.MoE nor
 this fused layout gets the error of check_expert_parallel (fsdpx/moe/parallel.py).
@@ -29,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdpx.moe.dispatch import moe_dispatch
 from fsdpx.moe.experts import scale_grad
+from fsdpx.moe.grouped_mlp import as_module, gated_mlp
 
 FUSED = ("gate_up_proj", "down_proj")
 # transformers' layout flags (use_experts_implementation) and the value fsdpx computes.
@@ -138,9 +141,23 @@ def _apply_gate(module: Any, gate_up_out: Tensor) -> Tensor:
     return module.act_fn(gate) * up
 
 
+def _default_gate(module: Any) -> bool:
+    """Whether the module's gate is transformers' default, act_fn(gate) * up on the halves
+    of gate_up's output (then fsdpx's fused gated node computes it)."""
+    apply = getattr(type(module), "_apply_gate", None)
+    default = apply is None or getattr(apply, "__name__", "") == "_default_apply_gate"
+    return default and callable(getattr(module, "act_fn", None))
+
+
 def _fused_compute(module: Any, rows: Tensor, counts: list[int]) -> Tensor:
-    """Local expert j on the next counts[j] rows: down(apply_gate(gate_up(x)))."""
+    """Local expert j on the next counts[j] rows: down(apply_gate(gate_up(x))): one fused
+    gated node for transformers' default gate (fsdpx/moe/grouped_mlp.py), else a loop."""
     gate_up, down = _local(module, "gate_up_proj"), _local(module, "down_proj")
+    if _default_gate(module):
+        out = gated_mlp(rows, gate_up, down, counts, as_module(module.act_fn))
+        # Both parameters stay in the graph on a rank without rows ([Note: no hang in
+        # all_to_all]: FSDP's reduce-scatter waits for every rank of the group).
+        return out if sum(counts) else out + (gate_up.sum() + down.sum()) * 0.0
     outs = []
     start = 0
     for j, n in enumerate(counts):

@@ -185,7 +185,7 @@ class MoE(nn.Module):
         normalize_weights: bool = True,
         z_loss_coef: float = 0.0,
         shared_expert: nn.Module | None = None,
-        grouped: Grouped = "loop",
+        grouped: Grouped = "auto",
         reinit_experts: bool = False,
     ) -> None:
         super().__init__()

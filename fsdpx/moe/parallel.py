@@ -35,6 +35,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from fsdpx.config import ZeroConfig
 from fsdpx.moe.experts import Experts
 from fsdpx.moe.hf_experts import check_fused, enable_fused_ep, fused_experts
+from fsdpx.moe.hf_per_expert import check_per_expert, enable_per_expert_ep, per_expert_blocks
 from fsdpx.moe.layer import MoE, MOELayer
 from fsdpx.moe.plan import planned_blocks
 from fsdpx.parallel_dims import Axis, ParallelDims
@@ -59,6 +60,8 @@ def expert_param_ids(model: nn.Module) -> set[int]:
     ids = {id(p) for _, layer in moe_layers(model) for p in layer.experts.parameters()}
     ids |= {id(p) for _, _, experts in planned_blocks(model) for p in experts.parameters()}
     ids |= {id(p) for _, module in fused_experts(model) for p in module.parameters()}
+    for _, block in per_expert_blocks(model):
+        ids |= {id(p) for p in block.get_submodule("experts").parameters()}
     return ids
 
 
@@ -81,12 +84,14 @@ def check_expert_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int)
     if dims.ep == 1:
         return
     fused = fused_experts(model)
+    per_expert = per_expert_blocks(model)
     planned = [(name, experts) for name, _, experts in planned_blocks(model)]
-    if not layers and not fused and not planned:
+    if not layers and not fused and not per_expert and not planned:
         raise ValueError(
             f"mesh.ep = {dims.ep} but the model has no fsdpx.moe MoE layer, no Hugging "
-            "Face fused experts (3-D gate_up_proj / down_proj) and no block matched by "
-            "moe.plan to split: set mesh.ep to 1, build the model's expert layers with "
+            "Face fused experts (3-D gate_up_proj / down_proj), no Mixtral / Qwen-MoE block "
+            "with one module per expert (experts.N.w1 / gate_proj ...) and no block matched "
+            "by moe.plan to split: set mesh.ep to 1, build the model's expert layers with "
             "fsdpx.moe.MoE, or describe its MoE blocks in moe.plan"
         )
     for name, experts in planned:
@@ -97,6 +102,8 @@ def check_expert_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int)
             )
     for name, module in fused:
         check_fused(name, module, dims.ep)
+    for name, block in per_expert:
+        check_per_expert(name, block, dims.ep)
     if zero_stage == 0:
         raise ValueError(
             f"mesh.ep = {dims.ep} needs ZeRO stage 1, 2 or 3 (stage 0 replicates every "
@@ -123,6 +130,8 @@ def apply_expert_parallel(part: nn.Module, expert_mesh: DeviceMesh) -> None:
     ep_mesh = expert_mesh[EP]
     for _, module in fused_experts(part):
         enable_fused_ep(module, ep_mesh)
+    for _, block in per_expert_blocks(part):
+        enable_per_expert_ep(block, ep_mesh)
     for _, layer in moe_layers(part):
         _split_experts(layer.experts, ep_mesh)
         layer.ep_group = ep_mesh.get_group()
@@ -164,6 +173,7 @@ def shard_experts(
     units: list[nn.Module] = [layer.experts for _, layer in moe_layers(part)]
     units += [experts for _, _, experts in planned_blocks(part)]
     units += [module for _, module in fused_experts(part)]
+    units += [block.get_submodule("experts") for _, block in per_expert_blocks(part)]
     for unit in units:
         fully_shard(
             unit,
