@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU rows of the benchmarks, as one short script for a lent GPU machine (one GPU):
+# grouped expert compute (MoE), long-sequence step time and memory, ZeRO++ step time on
+# NCCL. Run after scripts/gpu_checks.sh has installed the wheels (or with PYTHONPATH set).
+#
+#   bash scripts/gpu_benchmarks.sh [OUT_DIR]
+#
+# Every step has its own timeout and log under OUT_DIR, so one failure loses nothing else.
+set -u
+out=${1:-${OUT:-/tmp/gpu_benchmarks}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() {  # name, timeout, command...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" 2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*" | tee "$out/$name.log"
+    echo "$name rc=${PIPESTATUS[0]}" | tee -a "$out/benchmarks.txt"
+}
+run1() { python3 -m torch.distributed.run --standalone --nproc_per_node=1 "$@"; }
+step moe_grouped 60 python3 benchmarks/moe_grouped.py --device cuda --repeat 30
+step moe_grouped_mixtral 90 python3 benchmarks/moe_grouped.py --device cuda \
+    --hidden 4096 --ffn 14336 --tokens 8192 --repeat 10
+step long_context 150 run1 benchmarks/long_context.py --device cuda --dim 1024 \
+    --autocast bf16 --mlp-tile 4096 --seq 4096 --budget-mib 4096 \
+    --sweep 8192 16384 32768 65536 131072 --steps 3
