@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from typing import Any
 
@@ -80,47 +81,75 @@ def train(
     lr: float,
     val_batches: int,
     model_cfg: GPTConfig,
+    seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
+    """One run: ``seed`` seeds the model's initialisation only (the batches are the same
+    for every seed), so runs differ from each other by the trajectory alone."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = fsdpx.Config.from_dict(
         {
+            "device": device,
             "zero": {"stage": 3, **zero},
             "optimizer": {"lr": lr, "weight_decay": 0.0},
             "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
         }
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     engine = fsdpx.shard(GPT(model_cfg), cfg)
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else None
     data = stdlib_corpus()
     split = data.numel() * 9 // 10
     train_it = batches(data[:split], batch, model_cfg.block_size, generator=_gen(1))
     per_step: list[dict[str, int]] = []
     losses: list[float] = []
-    start = time.perf_counter()
+    step_seconds: list[float] = []
     for _ in range(steps):
         x, y = next(train_it)
+        x, y = shard_batch(x, rank, world), shard_batch(y, rank, world)
+        if dev is not None:
+            x, y = x.to(dev), y.to(dev)
+        _sync(dev)
+        start = time.perf_counter()
         before = comm_log().totals()
-        loss = engine(shard_batch(x, rank, world), shard_batch(y, rank, world))
+        loss = engine(x, y)
         engine.backward(loss)
         engine.step()
+        _sync(dev)
+        step_seconds.append(time.perf_counter() - start)
         after = comm_log().totals()
         per_step.append({k: after[k] - before[k] for k in KINDS})
         losses.append(float(engine.all_reduce_mean(loss.detach().float())))
-    seconds = time.perf_counter() - start
     val_it = batches(data[split:], batch, model_cfg.block_size, generator=_gen(2))
     engine.module.eval()
     total = 0.0
     with torch.no_grad():
         for _ in range(val_batches):
             x, y = next(val_it)
-            total += float(engine(x, y))
+            x, y = shard_batch(x, rank, world), shard_batch(y, rank, world)
+            if dev is not None:
+                x, y = x.to(dev), y.to(dev)
+            # [Note: validation loss in fp32] The model's own loss is a bf16 scalar (ulp
+            # 2**-6 near 2.3, 0.7% of it): cross-entropy of the fp32 logits instead.
+            logits = engine(x).float()
+            mine = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            total += float(engine.all_reduce_mean(mine))
+    params = sum(p.numel() for p in engine.module.parameters())
+    engine.close()
+    # The first step builds kernels and buffers: the median of the rest is the step time.
+    timed = step_seconds[1:] or step_seconds
     return {
         "val_loss": total / val_batches,
         "train_losses": losses,
         "bytes_per_step": {k: max(s[k] for s in per_step) for k in KINDS},
-        "seconds_per_step": seconds / steps,
-        "params": sum(p.numel() for p in engine.module.parameters()),
+        "seconds_per_step": statistics.median(timed),
+        "params": params,
     }
+
+
+def _sync(dev: torch.device | None) -> None:
+    if dev is not None:
+        torch.cuda.synchronize(dev)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -139,60 +168,105 @@ def text_plot(curves: dict[str, list[float]], window: int) -> str:
     return "\n".join(lines)
 
 
+def _mean_curve(runs: list[dict[str, Any]]) -> list[float]:
+    return [statistics.fmean(c) for c in zip(*(r["train_losses"] for r in runs), strict=True)]
+
+
+def report(runs: dict[str, list[dict[str, Any]]], seeds: list[int], steps: int) -> dict[str, Any]:
+    """Print the table and the text plot on rank 0; return the JSON result."""
+    names = list(runs)
+    base = runs[names[0]]
+    base_val = statistics.fmean(r["val_loss"] for r in base)
+    base_ag = base[0]["bytes_per_step"]["all_gather_single"]
+    base_red = base[0]["bytes_per_step"]["reduce_scatter"]
+    result: dict[str, Any] = {
+        "world_size": dist.get_world_size(),
+        "steps": steps,
+        "seeds": seeds,
+        "params": base[0]["params"],
+    }
+    print(
+        f"bytes sent per step by rank 0 (ratio to {names[0]}), val loss (mean over seeds "
+        f"{seeds}; ratio of means), median s/step"
+    )
+    for name, seed_runs in runs.items():
+        sent = seed_runs[0]["bytes_per_step"]  # the same for every seed
+        ag = sent["all_gather_single"]
+        red = sent["reduce_scatter"] + sent["all_to_all_single"]
+        vals = [r["val_loss"] for r in seed_runs]
+        row = {
+            "all_gather_bytes": ag,
+            "all_gather_ratio": ag / base_ag,
+            "reduction_bytes": red,
+            "reduction_ratio": red / base_red,
+            "val_loss": statistics.fmean(vals),
+            "val_losses": vals,
+            "val_loss_ratio": statistics.fmean(vals) / base_val,
+            "seconds_per_step": statistics.fmean(r["seconds_per_step"] for r in seed_runs),
+        }
+        result[name] = row
+        per_seed = " ".join(f"{v:.4f}" for v in vals)
+        print(
+            f"{name:>9}: all-gather {ag:>9} ({row['all_gather_ratio']:.3f}x)  reduction "
+            f"{red:>9} ({row['reduction_ratio']:.3f}x)  val loss {row['val_loss']:.4f} "
+            f"({row['val_loss_ratio']:.4f}x; per seed {per_seed})  "
+            f"{row['seconds_per_step']:.3f} s/step"
+        )
+    print("train loss, mean over seeds:")
+    print(text_plot({n: _mean_curve(r) for n, r in runs.items()}, max(1, steps // 12)))
+    return result
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16, help="global batch per step")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--val-batches", type=int, default=64)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    ap.add_argument(
+        "--seeds", default="0", help="comma-separated initialisation seeds; every case runs each"
+    )
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo; cuda: NCCL, one GPU per rank (LOCAL_RANK)",
+    )
     ap.add_argument(
         "--small", action="store_true", help="a 2-layer, 32-wide GPT (the smoke test's)"
     )
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # fsdpx.shard starts the default group (gloo, or NCCL + gloo on CUDA) from the config.
+    fsdpx.init_distributed(fsdpx.Config.from_dict({"device": args.device}))
     names = args.cases.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
     model_cfg = (
         GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32) if args.small else GPTConfig()
     )
-    common = dict(
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        val_batches=args.val_batches,
-        model_cfg=model_cfg,
-    )
-    runs = {name: train(CASES[name], **common) for name in names}  # type: ignore[arg-type]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for seed in seeds:
+        for name in names:
+            run = train(
+                CASES[name],
+                steps=args.steps,
+                batch=args.batch,
+                lr=args.lr,
+                val_batches=args.val_batches,
+                model_cfg=model_cfg,
+                seed=seed,
+                device=args.device,
+            )
+            runs[name].append(run)
+            if dist.get_rank() == 0:  # one line per run as it ends: a killed run keeps these
+                print(
+                    f"run {name} seed {seed}: val loss {run['val_loss']:.4f}, "
+                    f"{run['seconds_per_step']:.3f} s/step",
+                    flush=True,
+                )
     if dist.get_rank() == 0:
-        base = runs[names[0]]
-        result: dict[str, Any] = {"world_size": dist.get_world_size(), "steps": args.steps}
-        print(f"bytes sent per step by rank 0 (ratio to {names[0]}), val loss, s/step")
-        for name, run in runs.items():
-            ag = run["bytes_per_step"]["all_gather_single"]
-            red = (
-                run["bytes_per_step"]["reduce_scatter"] + run["bytes_per_step"]["all_to_all_single"]
-            )
-            base_ag = base["bytes_per_step"]["all_gather_single"]
-            base_red = base["bytes_per_step"]["reduce_scatter"]
-            row = {
-                "all_gather_bytes": ag,
-                "all_gather_ratio": ag / base_ag,
-                "reduction_bytes": red,
-                "reduction_ratio": red / base_red,
-                "val_loss": run["val_loss"],
-                "val_loss_ratio": run["val_loss"] / base["val_loss"],
-                "seconds_per_step": run["seconds_per_step"],
-            }
-            result[name] = row
-            print(
-                f"{name:>9}: all-gather {ag:>9} ({row['all_gather_ratio']:.3f}x)  reduction "
-                f"{red:>9} ({row['reduction_ratio']:.3f}x)  val loss {run['val_loss']:.4f} "
-                f"({row['val_loss_ratio']:.4f}x)  {run['seconds_per_step']:.3f} s/step"
-            )
-        print(text_plot({n: r["train_losses"] for n, r in runs.items()}, max(1, args.steps // 12)))
-        result["params"] = base["params"]
-        print(json.dumps(result))
+        print(json.dumps(report(runs, seeds, args.steps)))
     dist.destroy_process_group()
 
 
