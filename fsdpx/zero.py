@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdpx.comm import fsdp_slot
+from fsdpx.comm import fsdp_slot, qgz_hier
 from fsdpx.config import ZeroConfig
 from fsdpx.parallel_dims import Axis, ParallelDims
 
@@ -96,6 +96,12 @@ def apply_zero(
             )
         if mesh.ndim == 2:
             mesh = mesh[Axis.DP_SHARD.value]
+    if zero.quantized_gradients_hierarchical:
+        # Refused here, before any unit is sharded, rather than at the first backward.
+        shard_mesh = mesh[Axis.DP_SHARD.value] if mesh.ndim == 2 else mesh
+        ranks = shard_mesh.mesh.flatten().tolist()
+        node_size = qgz_hier.resolve_node_size(zero.quantized_gradients_node_size)
+        qgz_hier.plan(ranks, node_size, ranks[0])
     for block in blocks:
         fully_shard(
             block,
@@ -124,6 +130,11 @@ def install_comms(module: nn.Module, zero: ZeroConfig) -> None:
         quantized_gradients=zero.quantized_gradients,
         gradient_bits=zero.quantized_gradients_bits,
         block_size=zero.quantization_block_size,
+        node_size=(
+            qgz_hier.resolve_node_size(zero.quantized_gradients_node_size)
+            if zero.quantized_gradients_hierarchical
+            else 0
+        ),
     )
 
 
