@@ -41,9 +41,10 @@ their magnitude sum)::
     qgZ, AVG:  the SUM bound / W, plus 2**-24 * |g_hat_j| for the division
 
 [Note: no error feedback in qgZ] The residual of each quantization is not carried to the
-next step (ZeRO++ has none either). The per-step error is bounded as above and
-round-to-nearest keeps it from drifting one way; the convergence runs of
-`benchmarks/zeropp.py` measure that this is enough. Error feedback would cost one fp32
+next step (ZeRO++ has none either), at either level of the two-level scheme. The per-step
+error is bounded as above and round-to-nearest keeps it from drifting one way; the
+convergence runs of `benchmarks/zeropp.py` (several seeds: README "Measured") find the
+quantized runs' final validation loss on either side of unquantized ZeRO-3's, by seed. Error feedback would cost one fp32
 buffer the size of the unsharded gradient per module, which is what ZeRO-3 avoids keeping.
 
 [Note: timing FSDP's waits] `comm_wait_s` is exposed communication: time the training
