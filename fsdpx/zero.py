@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -98,8 +99,9 @@ def apply_zero(
             mesh = mesh[Axis.DP_SHARD.value]
     if zero.quantized_gradients_hierarchical:
         # Refused here, before any unit is sharded, rather than at the first backward.
-        shard_mesh = mesh[Axis.DP_SHARD.value] if mesh.ndim == 2 else mesh
-        ranks = shard_mesh.mesh.flatten().tolist()
+        # FSDP shards over the mesh's last dim (dp_shard, or dp_shard x sp flattened).
+        group = mesh.get_group(mesh.ndim - 1)
+        ranks = [dist.get_global_rank(group, i) for i in range(group.size())]
         node_size = qgz_hier.resolve_node_size(zero.quantized_gradients_node_size)
         qgz_hier.plan(ranks, node_size, ranks[0])
     for block in blocks:
