@@ -1,6 +1,7 @@
 """Issue 20's heavier acceptance (slow tier): ZeRO++ composed with hpZ, HSDP, TP, activation
-checkpointing, the two-level qgZ and CPU offload on 4 gloo ranks against the single-process reference, and convergence of the
-example GPT (benchmarks/zeropp.py, 300 steps, 4 ranks). Their default-tier twins are in
+checkpointing, the two-level qgZ and CPU offload on 4 gloo ranks against the
+single-process reference, and convergence of the example GPT (benchmarks/zeropp.py, 300
+steps, 4 ranks, 3 seeds). Their default-tier twins are in
 tests/test_zeropp.py (2-rank parity and bytes, the 4-rank hpZ payload check)."""
 
 from __future__ import annotations
