@@ -188,6 +188,11 @@ def text_plot(curves: dict[str, list[float]], window: int) -> str:
     return "\n".join(lines)
 
 
+def _ratio(x: int, base: int) -> float:
+    """x / base; NaN when the baseline sent nothing (one rank: no peer to send to)."""
+    return x / base if base else float("nan")
+
+
 def _mean_curve(runs: list[dict[str, Any]]) -> list[float]:
     return [statistics.fmean(c) for c in zip(*(r["train_losses"] for r in runs), strict=True)]
 
@@ -216,9 +221,9 @@ def report(runs: dict[str, list[dict[str, Any]]], seeds: list[int], steps: int) 
         vals = [r["val_loss"] for r in seed_runs]
         row = {
             "all_gather_bytes": ag,
-            "all_gather_ratio": ag / base_ag,
+            "all_gather_ratio": _ratio(ag, base_ag),
             "reduction_bytes": red,
-            "reduction_ratio": red / base_red,
+            "reduction_ratio": _ratio(red, base_red),
             "val_loss": statistics.fmean(vals),
             "val_losses": vals,
             "val_loss_ratio": statistics.fmean(vals) / base_val,
