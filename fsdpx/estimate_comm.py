@@ -15,6 +15,10 @@ each block) in one micro-step without gradient accumulation. With ``W`` the shar
 | all-to-all, qgZ | (W - 1) * (q(n) + 4 * ceil(n / b)), q(n) = n (int8) or ceil(n / 2) |
 | all-reduce (HSDP, R replicas; stage 0) | 2 * (R - 1) / R * n * r |
 
+The hierarchical qgZ (``zero.quantized_gradients_hierarchical``, N nodes of L ranks) sends
+the same all-to-all total, ``(L - 1) * N`` payloads within the node and ``N - 1`` across
+(fsdpx/comm/qgz_hier.py), so the table does not split it.
+
 Occurrences: stage 3 gathers each block twice (forward, and again in backward; under hpZ
 the backward one runs over the secondary group of ``h`` ranks with ``n_h`` from a shard
 over ``h``) and the root once; stages 1-2 gather every unit once; every stage with a

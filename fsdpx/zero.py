@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdpx.comm import fsdp_slot
+from fsdpx.comm import fsdp_slot, qgz_hier
 from fsdpx.config import ZeroConfig
 from fsdpx.parallel_dims import Axis, ParallelDims
 
@@ -96,6 +97,13 @@ def apply_zero(
             )
         if mesh.ndim == 2:
             mesh = mesh[Axis.DP_SHARD.value]
+    if zero.quantized_gradients_hierarchical:
+        # Refused here, before any unit is sharded, rather than at the first backward.
+        # FSDP shards over the mesh's last dim (dp_shard, or dp_shard x sp flattened).
+        group = mesh.get_group(mesh.ndim - 1)
+        ranks = [dist.get_global_rank(group, i) for i in range(group.size())]
+        node_size = qgz_hier.resolve_node_size(zero.quantized_gradients_node_size)
+        qgz_hier.plan(ranks, node_size, ranks[0])
     for block in blocks:
         fully_shard(
             block,
@@ -124,6 +132,11 @@ def install_comms(module: nn.Module, zero: ZeroConfig) -> None:
         quantized_gradients=zero.quantized_gradients,
         gradient_bits=zero.quantized_gradients_bits,
         block_size=zero.quantization_block_size,
+        node_size=(
+            qgz_hier.resolve_node_size(zero.quantized_gradients_node_size)
+            if zero.quantized_gradients_hierarchical
+            else 0
+        ),
     )
 
 

@@ -65,7 +65,8 @@ def _bad(data: dict[str, Any], match: str) -> None:
             {"zero": {"xyz": 1}},
             r"^unknown config key 'zero\.xyz'; known keys here: "
             r"stage, hpz_partition_size, quantized_weights, quantized_weights_dtype, "
-            r"quantized_gradients, quantized_gradients_bits, quantization_block_size, "
+            r"quantized_gradients, quantized_gradients_bits, quantized_gradients_hierarchical, "
+            r"quantized_gradients_node_size, quantization_block_size, "
             r"block_classes, offload_optimizer, offload_param$",
         ),
         ({"qqq": 1}, r"^unknown config key 'qqq'; known keys here: " + ", ".join(TOP_KEYS) + "$"),

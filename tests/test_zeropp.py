@@ -17,7 +17,7 @@ from fsdpx.comm.fsdp_slot import QuantizedAllGather, _as_sum_or_avg
 from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_int8
 from tests.dist import run_ranks
 from tests.parity import make_model, reference_run
-from tests.zeropp_bodies import collectives, hpz_payloads, training
+from tests.zeropp_bodies import collectives, hierarchical, hpz_payloads, training
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -324,3 +324,90 @@ def test_benchmark_small_twin() -> None:
     assert result["qwz_qgz"]["reduction_ratio"] <= 0.3
     assert result["qwz_qgz4"]["reduction_ratio"] <= 0.17
     assert "steps" in proc.stdout and "qwz_qgz4" in proc.stdout  # the text plot
+
+
+def _two_level_bound(bits: int, nodes: int, local: int) -> float:
+    """fsdpx/comm/qgz_hier.py's factor on sum_r A_r: d1 + d2 * (1 + d1)."""
+    qmax = 127.0 if bits == 8 else 7.0
+    d1 = 1 / (2 * qmax) + 2.0**-22 + local * 2.0**-24
+    d2 = 1 / (2 * qmax) + 2.0**-22 + nodes * 2.0**-24
+    return d1 + d2 * (1 + d1)
+
+
+def test_hierarchical_qgz_on_two_simulated_nodes() -> None:
+    """4 gloo ranks as 2 nodes x 2 (zero.quantized_gradients_node_size = 2): the reduced
+    gradients are within the stated two-level bound of the float64 sum (SUM and AVG, int8
+    and int4); each call is one all-to-all of 4 payloads within the node and one of 2
+    across nodes, (W - 1) payloads in all; training tracks the single-process reference;
+    an HSDP mesh whose shard groups lie inside one node is refused by name."""
+    from fsdpx.comm.fsdp_slot import QuantizedReduceScatter
+
+    w, m, b = 4, 300, 64
+    res = run_ranks(hierarchical, w)
+    inputs = [res[r]["input"].double().view(w, m) for r in range(w)]
+    for bits in (8, 4):
+        payload = QuantizedReduceScatter(bits, b).qbytes(m) + 4 * (-(-m // b))  # type: ignore[arg-type]
+        factor = _two_level_bound(bits, 2, 2)
+        for dst in range(w):
+            pieces = torch.stack([inputs[r][dst] for r in range(w)])
+            exact = pieces.sum(0)
+            padded = torch.nn.functional.pad(pieces.abs(), (0, (-m) % b)).view(w, -1, b)
+            absmax = padded.amax(-1).repeat_interleave(b, dim=1)[:, :m].sum(0)
+            got_sum, calls = res[dst][f"{bits}_sum"]
+            err = (got_sum.double() - exact).abs()
+            assert bool((err <= factor * absmax).all()), (bits, dst, float(err.max()))
+            assert float(err.max()) > 0
+            got_avg, _ = res[dst][f"{bits}_avg"]
+            avg_err = (got_avg.double() - exact / w).abs()
+            bound = factor * absmax / w + 2.0**-24 * got_avg.double().abs()
+            assert bool((avg_err <= bound).all())
+            # (L - 1) * N payloads within the node, (N - 1) across: 2 + 1 = W - 1.
+            assert calls == [
+                ("all_to_all_single", 2 * payload, 2),
+                ("all_to_all_single", payload, 2),
+            ]
+    ref_losses, _ = reference_run(BASE, w, compute_dtype=torch.bfloat16)
+    losses, _ = res[0]["train"]
+    for a, r in zip(losses, ref_losses, strict=True):
+        assert abs(a - r) <= 1e-2 * abs(r), (losses, ref_losses)
+    msg = res[0]["hsdp_error"]
+    assert msg is not None
+    with pytest.raises(ValueError, match="needs a shard group spanning at least 2 nodes"):
+        raise ValueError(msg)
+
+
+def test_hierarchical_qgz_layout_errors() -> None:
+    from fsdpx.comm.qgz_hier import plan, resolve_node_size
+
+    lay = plan([0, 1, 2, 3, 4, 5], 3, 4)
+    assert (lay.nodes, lay.local, lay.intra, lay.inter) == (2, 3, (3, 4, 5), (1, 4))
+    with pytest.raises(ValueError, match="lies on node 0 only .* one-level qgZ"):
+        plan([0, 1], 2, 0)  # HSDP: the shard group inside a node
+    with pytest.raises(ValueError, match="at least 2 shard-group ranks per node; .* TP"):
+        plan([0, 2], 2, 0)  # TP 2 within the node: one shard rank per node
+    with pytest.raises(ValueError, match=r"same number .* has \[2, 1\] on nodes \[0, 1\]"):
+        plan([0, 1, 2], 2, 0)
+    with pytest.raises(ValueError, match="numbered node by node; .* visits node 0 twice"):
+        plan([0, 2, 1, 3], 2, 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LOCAL_WORLD_SIZE", raising=False)
+        with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE is 'unset'.* torchrun"):
+            resolve_node_size(0)
+        mp.setenv("LOCAL_WORLD_SIZE", "8")
+        assert resolve_node_size(0) == 8 and resolve_node_size(2) == 2
+    with pytest.raises(ValueError, match="'zero.quantized_gradients_hierarchical' needs"):
+        fsdpx.Config.from_dict({"zero": {"quantized_gradients_hierarchical": True}})
+    with pytest.raises(ValueError, match="'zero.quantized_gradients_node_size' .* read only"):
+        fsdpx.Config.from_dict(
+            {"zero": {"quantized_gradients": True, "quantized_gradients_node_size": 2}}
+        )
+    with pytest.raises(ValueError, match="'zero.quantized_gradients_node_size' must be"):
+        fsdpx.Config.from_dict(
+            {
+                "zero": {
+                    "quantized_gradients": True,
+                    "quantized_gradients_hierarchical": True,
+                    "quantized_gradients_node_size": -1,
+                }
+            }
+        )

@@ -1,6 +1,7 @@
 """Issue 20's heavier acceptance (slow tier): ZeRO++ composed with hpZ, HSDP, TP, activation
-checkpointing and CPU offload on 4 gloo ranks against the single-process reference, and convergence of the
-example GPT (benchmarks/zeropp.py, 300 steps, 4 ranks). Their default-tier twins are in
+checkpointing, the two-level qgZ and CPU offload on 4 gloo ranks against the
+single-process reference, and convergence of the example GPT (benchmarks/zeropp.py, 300
+steps, 4 ranks, 3 seeds). Their default-tier twins are in
 tests/test_zeropp.py (2-rank parity and bytes, the 4-rank hpZ payload check)."""
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ COMPOSED: dict[str, tuple[dict[str, Any], int]] = {
             **BASE,
             "activation_checkpointing": {"mode": "full"},
             "zero": {"quantized_weights": True, "quantized_gradients": True},
+        },
+        4,
+    ),
+    # Two-level qgZ on 4 ranks as 2 simulated nodes x 2 (measured: losses within 0.42% of
+    # the reference, drift 0.32).
+    "hier_qwz_qgz": (
+        {
+            **BASE,
+            "zero": {
+                "quantized_weights": True,
+                "quantized_gradients": True,
+                "quantized_gradients_hierarchical": True,
+                "quantized_gradients_node_size": 2,
+            },
         },
         4,
     ),
@@ -81,15 +96,14 @@ def test_zeropp_composes_with_hpz_hsdp_tp_ac_and_offload() -> None:
 
 @pytest.mark.slow
 def test_example_gpt_converges_with_qwz_and_qgz() -> None:
-    """300 steps on 4 ranks: qwZ and qwZ + qgZ (int8) end no more than 1% above ZeRO-3's
-    validation loss; bytes at the collectives meet the issue's ratios.
+    """300 steps on 4 ranks, seeds 0, 1 and 2: qwZ and qwZ + qgZ (int8) end with a mean
+    validation loss within 1% (either side) of unquantized ZeRO-3's; bytes at the
+    collectives meet the issue's ratios.
 
-    One-sided on purpose, and short of the issue's two-sided "within 1%": measured at 300
-    steps the quantized runs end *lower* than unquantized ZeRO-3 by 1.2-1.7% (val loss
-    2.3584 zero3, 2.3252 qwz, 2.3174 qwz_qgz, 2.3301 qwz_qgz4; the gap opens in the first
-    25 steps and does not depend on the order the cases run in). The unquantized run is
-    the reference-exact one (tests/test_zeropp.py: bitwise equal to the single-process
-    reference), so the difference is the quantization noise's effect on this small model."""
+    Over seeds, not one: one seed's final loss lands 1.8% below or 0.8% above unquantized
+    depending on the seed (the trajectories part within the first 25 steps; [Note: why
+    several seeds] in benchmarks/zeropp.py). Measured mean ratios 0.9970 (qwz) and 0.9975
+    (qwz_qgz)."""
     cmd = [
         sys.executable,
         "-m",
@@ -99,12 +113,14 @@ def test_example_gpt_converges_with_qwz_and_qgz() -> None:
         str(ROOT / "benchmarks" / "zeropp.py"),
         "--steps",
         "300",
+        "--seeds",
+        "0,1,2",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=5400)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=9000)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("qwz", "qwz_qgz"):
-        assert result[name]["val_loss_ratio"] <= 1.01, result
+        assert abs(result[name]["val_loss_ratio"] - 1.0) <= 0.01, result
     assert result["qwz"]["all_gather_ratio"] <= 0.53
     assert result["qwz_qgz"]["reduction_ratio"] <= 0.3
     assert result["qwz_qgz4"]["reduction_ratio"] <= 0.17

@@ -209,3 +209,44 @@ def hpz_payloads(rank: int, world: int, block_size: int) -> dict[str, Any]:
     engine.backward(loss)
     engine.step()
     return {"wire": wire, "asked": asked}
+
+
+def hierarchical(rank: int, world: int) -> dict[str, Any]:
+    """4 ranks as 2 simulated nodes x 2: the two-level qgZ slot called directly on random
+    gradients (its per-call records too), a short training run of it, and the error for
+    an HSDP mesh whose shard groups lie inside one node."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdpx.comm.fsdp_slot import QuantizedReduceScatter
+
+    group = dist.group.WORLD
+    assert group is not None
+    g = torch.Generator().manual_seed(200 + rank)
+    m, b = 300, 64  # a partial last block in each piece
+    x = torch.randn(world * m, generator=g) * torch.exp2(
+        torch.randint(-6, 6, (world * m,), generator=g).float()
+    )
+    out: dict[str, Any] = {"input": x}
+    for bits in (8, 4):
+        for op in ("sum", "avg"):
+            rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG
+            got = torch.empty(m)
+            mark = comm_log().mark()
+            QuantizedReduceScatter(bits, b, node_size=2)(got, x, group, rop)  # type: ignore[arg-type]
+            calls = [(r.kind, r.bytes_sent, r.group_size) for r in comm_log().since(mark)]
+            out[f"{bits}_{op}"] = (got, calls)
+    zero = {"quantized_gradients": True, "quantized_gradients_hierarchical": True}
+    cfg = {
+        "optimizer": {"lr": 1e-2},
+        "precision": {"param_dtype": "bf16"},
+        "zero": {**zero, "quantized_gradients_node_size": 2},
+    }
+    out["train"] = fsdpx_run(cfg)
+    hsdp = {**cfg, "mesh": {"dp_replicate": 2, "dp_shard": 2}}
+    try:
+        fsdpx_run(hsdp)
+        out["hsdp_error"] = None
+    except ValueError as e:
+        out["hsdp_error"] = str(e)
+    return out

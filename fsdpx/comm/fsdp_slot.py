@@ -24,9 +24,10 @@ output numel, ``b`` = block size, ``W`` = group size):
   sent by one ``all_to_all_single`` of ``W`` payloads ``[q | scales]`` (int8: ``m`` bytes;
   int4: ``ceil(m / 2)``); the receiver dequantizes the ``W`` pieces it got to float32 and
   sums them in rank order, then divides by ``W`` for AVG. Bytes sent:
-  ``(W - 1) * (qbytes(m) + 4 * ceil(m / b))``. One level only: under HSDP FSDP's
-  cross-replica all-reduce of the reduced shard is not in the slot and stays in the reduce
-  dtype (a documented decision; ZeRO++'s two-level all-to-all is not built).
+  ``(W - 1) * (qbytes(m) + 4 * ceil(m / b))``. Or ZeRO++'s two-level scheme
+  (``zero.quantized_gradients_hierarchical``: fsdpx/comm/qgz_hier.py, its formats, bytes
+  and bound). Under HSDP FSDP's cross-replica all-reduce of the reduced shard is not in
+  the slot and stays in the reduce dtype (a documented decision).
 
 Error bounds (``qmax`` = 127 for int8, 7 for int4; ``A_r`` = the absmax of the block of
 rank ``r``'s piece that holds element ``j``; from the per-block bound in
@@ -40,9 +41,10 @@ their magnitude sum)::
     qgZ, AVG:  the SUM bound / W, plus 2**-24 * |g_hat_j| for the division
 
 [Note: no error feedback in qgZ] The residual of each quantization is not carried to the
-next step (ZeRO++ has none either). The per-step error is bounded as above and
-round-to-nearest keeps it from drifting one way; the convergence runs of
-`benchmarks/zeropp.py` measure that this is enough. Error feedback would cost one fp32
+next step (ZeRO++ has none either), at either level of the two-level scheme. The per-step
+error is bounded as above and round-to-nearest keeps it from drifting one way; the
+convergence runs of `benchmarks/zeropp.py` (several seeds: README "Measured") find the
+quantized runs' final validation loss on either side of unquantized ZeRO-3's, by seed. Error feedback would cost one fp32
 buffer the size of the unsharded gradient per module, which is what ZeRO-3 avoids keeping.
 
 [Note: timing FSDP's waits] `comm_wait_s` is exposed communication: time the training
@@ -79,7 +81,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
-from fsdpx.comm import counted
+from fsdpx.comm import counted, qgz_hier
 from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 from fsdpx.ops.quant_int4 import dequantize_int4, packed_int4_bytes, quantize_int4
 from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
@@ -262,6 +264,8 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
 
     bits: Literal[8, 4]
     block_size: int
+    node_size: int = 0
+    """> 0: ZeRO++'s two-level scheme with this many ranks per node (fsdpx/comm/qgz_hier.py)."""
 
     def qbytes(self, m: int) -> int:
         return m if self.bits == 8 else packed_int4_bytes(m)
@@ -279,6 +283,14 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
             rows.append(torch.cat([q, scales.view(torch.uint8)]))
         return torch.stack(rows)
 
+    def dequantize_row(self, row: Tensor, m: int) -> Tensor:
+        """One received ``[q | scales]`` payload row back to ``m`` float32 values."""
+        qb = self.qbytes(m)
+        scales = _scales_of(row[qb:])
+        if self.bits == 8:
+            return dequantize_int8(row[:qb].view(torch.int8), scales, block_size=self.block_size)
+        return dequantize_int4(row[:qb], scales, numel=m, block_size=self.block_size)
+
     def __call__(
         self,
         output_tensor: Tensor,
@@ -289,21 +301,16 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
     ) -> None:
         _check_float(input_tensor, "qgZ")
         avg = _as_sum_or_avg(op)
+        if self.node_size:
+            qgz_hier.reduce_two_level(self, output_tensor, input_tensor, group, avg)
+            return
         w, m = group.size(), output_tensor.numel()
         send = self.payloads(input_tensor, w)
         recv = torch.empty_like(send)
         counted.all_to_all_single(recv.view(-1), send.view(-1), group=group)
-        qb = self.qbytes(m)
         acc = torch.zeros(m, dtype=torch.float32, device=output_tensor.device)
         for r in range(w):
-            scales = _scales_of(recv[r, qb:])
-            if self.bits == 8:
-                piece = dequantize_int8(
-                    recv[r, :qb].view(torch.int8), scales, block_size=self.block_size
-                )
-            else:
-                piece = dequantize_int4(recv[r, :qb], scales, numel=m, block_size=self.block_size)
-            acc += piece
+            acc += self.dequantize_row(recv[r], m)
         if avg:
             acc /= w
         output_tensor.copy_(acc)
@@ -317,13 +324,15 @@ def install(
     quantized_gradients: bool,
     gradient_bits: Literal[8, 4],
     block_size: int,
+    node_size: int = 0,
 ) -> None:
-    """Put fsdpx's collectives into `module`'s FSDP slot: counted plain ones, or qwZ / qgZ."""
+    """Put fsdpx's collectives into `module`'s FSDP slot: counted plain ones, or qwZ / qgZ
+    (`node_size` > 0: qgZ's two-level scheme with that many ranks per node)."""
     ag: AllGather = (
         QuantizedAllGather(weights_dtype, block_size) if quantized_weights else CountedAllGather()
     )
     rs: ReduceScatter = (
-        QuantizedReduceScatter(gradient_bits, block_size)
+        QuantizedReduceScatter(gradient_bits, block_size, node_size)
         if quantized_gradients
         else CountedReduceScatter()
     )

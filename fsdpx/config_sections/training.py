@@ -84,6 +84,15 @@ class ZeroConfig:
     accumulation of the dequantized pieces. DeepSpeed: zero_quantized_gradients."""
     quantized_gradients_bits: Literal[8, 4] = 8
     """qgZ wire format: 8 (int8) or 4 (int4, two values per byte; block size must be even)."""
+    quantized_gradients_hierarchical: bool = False
+    """qgZ as ZeRO++'s two-level scheme: a quantized all-to-all within each node, dequantize
+    and sum, re-quantize, an all-to-all across nodes, dequantize and sum (the cross-node
+    links carry 1 / ranks-per-node of the one-level scheme's cross-node bytes). False: one
+    all-to-all over the whole shard group (fsdpx/comm/qgz_hier.py)."""
+    quantized_gradients_node_size: int = 0
+    """Ranks per node for the hierarchical qgZ: node k holds the consecutive global ranks
+    k * node_size ... (k + 1) * node_size - 1, as torchrun numbers them. 0: the launcher's
+    LOCAL_WORLD_SIZE (torchrun sets it)."""
     quantization_block_size: int = 256
     """Elements per fp32 scale for qwZ and qgZ (wire bytes per element: 1 + 4 / block_size
     for int8, 0.5 + 4 / block_size for int4)."""
@@ -123,6 +132,25 @@ class ZeroConfig:
             raise ValueError(
                 "config key 'zero.quantized_gradients' (qgZ) needs zero.stage 1, 2 or 3 (it "
                 "replaces the gradient reduce-scatter; stage 0 all-reduces); got stage 0"
+            )
+        check(
+            isinstance(self.quantized_gradients_node_size, int)
+            and self.quantized_gradients_node_size >= 0,
+            "zero.quantized_gradients_node_size",
+            self.quantized_gradients_node_size,
+            "an integer >= 0 (0: LOCAL_WORLD_SIZE from the launcher)",
+        )
+        if self.quantized_gradients_hierarchical and not self.quantized_gradients:
+            raise ValueError(
+                "config key 'zero.quantized_gradients_hierarchical' needs "
+                "zero.quantized_gradients = true (it is how qgZ reduces); got "
+                "quantized_gradients false. Turn qgZ on or drop the hierarchical key."
+            )
+        if self.quantized_gradients_node_size and not self.quantized_gradients_hierarchical:
+            raise ValueError(
+                f"config key 'zero.quantized_gradients_node_size' "
+                f"({self.quantized_gradients_node_size}) is read only by the hierarchical "
+                "qgZ; set zero.quantized_gradients_hierarchical = true or drop it"
             )
         if (
             self.quantized_gradients

@@ -86,9 +86,10 @@ _QWZ = (
     "(default 256) with fp32 scales"
 )
 _QGZ = (
-    "ZeRO++ qgZ: the gradient reduce-scatter becomes an int8 all-to-all (one level; "
-    "DeepSpeed's hierarchical int4 scheme is not built: set zero.quantized_gradients_bits = 4 "
-    "in a native config for int4)"
+    "ZeRO++ qgZ: the gradient reduce-scatter becomes an int8 all-to-all over the shard group "
+    "(one level; for DeepSpeed's within-node-then-across-nodes scheme set "
+    "zero.quantized_gradients_hierarchical = true, and zero.quantized_gradients_bits = 4 for "
+    "int4, in a native config)"
 )
 _MONITOR_KEYS = {
     "tensorboard": ("output_path", "job_name"),
