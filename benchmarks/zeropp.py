@@ -85,8 +85,7 @@ CASES: dict[str, dict[str, Any]] = {
         "quantized_gradients": True,
         "quantized_gradients_bits": 4,
     },
-    # Not in the default --cases: qgZ alone (an all-gather path that needs no
-    # dist.all_gather_single, which torch < 2.13 lacks on NCCL).
+    # Not in the default --cases: qgZ alone (unquantized weight all-gathers).
     "qgz": {"quantized_gradients": True},
 }
 DEFAULT_CASES = ("zero3", "qwz", "qwz_qgz", "qwz_qgz4")
