@@ -23,3 +23,7 @@ step moe_grouped_mixtral 90 python3 benchmarks/moe_grouped.py --device cuda \
 step long_context 150 run1 benchmarks/long_context.py --device cuda --dim 1024 \
     --autocast bf16 --mlp-tile 4096 --seq 4096 --budget-mib 4096 \
     --sweep 8192 16384 32768 65536 131072 --steps 3
+# One GPU: no bytes move (ratios print as NaN); the step time shows what the quantize /
+# dequantize kernels cost next to plain ZeRO-3.
+step zeropp 150 run1 benchmarks/zeropp.py --device cuda --steps 50 --val-batches 4 \
+    --cases zero3,qwz,qwz_qgz
