@@ -33,16 +33,11 @@ class Reference:
     def score(self, step: int, row: dict[int, tuple[Any, ...]], step_times: list[float]) -> None:
         cfg, a = self.cfg, self.cfg.alpha
         for r in row:
-            for d, fill in (
-                (self.rel, None),
-                (self.ind, None),
-                (self.best, None),
-                (self.ratio, None),
-                (self.slowness, 0.0),
-                (self.slow, False),
-                (self.since, None),
-            ):
-                d.setdefault(r, [fill] * NP)  # type: ignore[attr-defined]
+            if r not in self.rel:
+                self.rel[r], self.ind[r] = [None] * NP, [None] * NP
+                self.best[r], self.ratio[r] = [None] * NP, [None] * NP
+                self.slowness[r], self.slow[r] = [0.0] * NP, [False] * NP
+                self.since[r] = [None] * NP
         step_median = statistics.median(step_times) if step_times else None
         for p in range(NP):
             times = {
