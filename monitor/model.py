@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from fsdpx.telemetry.wire.columns import RecordColumns
+from monitor.columns_ingest import add_columns
 from monitor.hangs import DumpBook
 from monitor.nodes import node_rows, relay_event
 from monitor.state import (
@@ -148,7 +150,6 @@ class MonitorModel:
         received at its own `time`."""
         ranks = self.ranks
         steps = self._steps
-        keep = self.settings.history_steps
         rank_history = self.settings.rank_history
         scores = self.stragglers
         for rec in records:
@@ -182,18 +183,9 @@ class MonitorModel:
             scores.add(rank, step, rec)
             if scores.has_events:
                 self._made(scores.take_events(), rec, seen)
-            agg = steps.get(step)
+            agg = steps.get(step) or self._new_step(step)
             if agg is None:
-                if len(steps) >= keep and step < next(iter(steps)):
-                    continue  # older than everything kept: too late for the curves
-                out_of_order = bool(steps) and step < next(reversed(steps))
-                agg = steps[step] = _StepAggregate()
-                if out_of_order:
-                    # A step older than the newest (after a gap): keep the dict sorted.
-                    for key in sorted(steps):
-                        steps.move_to_end(key)
-                if len(steps) > keep:
-                    steps.popitem(last=False)
+                continue  # older than everything kept: too late for the curves
             if _real(loss) and -math.inf < loss < math.inf:  # NaN compares false
                 agg.loss_sum += loss
                 agg.loss_n += 1
@@ -201,6 +193,29 @@ class MonitorModel:
             if _real(tps):
                 agg.tps_sum += tps
                 agg.tps_n += 1
+
+    def _new_step(self, step: int) -> _StepAggregate | None:
+        """The curves' aggregate for a step not seen yet (None: older than all kept)."""
+        steps = self._steps
+        if len(steps) >= self.settings.history_steps and step < next(iter(steps)):
+            return None
+        out_of_order = bool(steps) and step < next(reversed(steps))
+        agg = steps[step] = _StepAggregate()
+        if out_of_order:
+            # A step older than the newest (after a gap): keep the dict sorted.
+            for key in sorted(steps):
+                steps.move_to_end(key)
+        if len(steps) > self.settings.history_steps:
+            steps.popitem(last=False)
+        return agg
+
+    def add_columns(
+        self, block: RecordColumns, now: float | None, source: str | None = None
+    ) -> None:
+        """Store a block of records received as columns (protocol 1.1): the same outcome
+        as `add_records(block.rows(), ...)`, cheaper (monitor/columns_ingest.py [Note:
+        ingesting columns])."""
+        add_columns(self, block, now, source)
 
     def _made(self, events: list[dict[str, Any]], rec: dict[str, Any], seen: float) -> None:
         """Stamp events this model made with the record's run and the arrival time."""

@@ -214,6 +214,32 @@ class StragglerScores:
         elif len(row) >= (self.world_size or len(self._slot)):
             self._close_ready()
 
+    def add_rows(self, rows: Iterable[tuple[int, int, Any, tuple[Any, ...], Any]]) -> None:
+        """`add` for many records given as (rank, step, host, phase values in
+        PHASE_FIELDS order, step_time_s) tuples (monitor/columns_ingest.py: zipped columns,
+        no record dicts); ranks and steps are validated ints."""
+        slots, hosts, opened, times = self._slot, self._hosts, self._open, self._step_times
+        for rank, step, host, phases, st in rows:
+            slot = slots.get(rank)
+            if slot is None:
+                slot = self._new_slot(rank)
+                hosts = self._hosts
+            hosts[slot] = host
+            if step <= self._scored_through:
+                continue
+            row = opened.get(step)
+            if row is None:
+                row = opened[step] = {}
+                times[step] = []
+            row[slot] = phases
+            if type(st) is float or type(st) is int:
+                times[step].append(float(st))
+            if step > self._newest:
+                self._newest = step
+                self._close_ready()
+            elif len(row) >= (self.world_size or len(slots)):
+                self._close_ready()
+
     def _close_ready(self) -> None:
         """Score the oldest open steps that are complete or lagged, in step order."""
         n = self.world_size

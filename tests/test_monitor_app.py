@@ -299,6 +299,7 @@ WIRE_MODULES = (
     "metrics_http",
     "relay",
     "coalesce",
+    "columns",
 )
 
 
