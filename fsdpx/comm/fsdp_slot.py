@@ -25,7 +25,8 @@ output numel, ``b`` = block size, ``W`` = group size):
   int4: ``ceil(m / 2)``); the receiver dequantizes the ``W`` pieces it got to float32 and
   sums them in rank order, then divides by ``W`` for AVG. Bytes sent:
   ``(W - 1) * (qbytes(m) + 4 * ceil(m / b))``. One level only: under HSDP FSDP's
-  cross-replica all-reduce of the reduced shard is not in the slot and stays in the reduce
+  cross-replica all-reduce of the reduced shard is not in the slot (fsdpx counts and times it
+from the slot's edges: fsdpx/comm/fsdp_all_reduce.py) and stays in the reduce
   dtype (a documented decision; ZeRO++'s two-level all-to-all is not built).
 
 Error bounds (``qmax`` = 127 for int8, 7 for int4; ``A_r`` = the absmax of the block of
@@ -57,8 +58,10 @@ wait. The quantized slots are not timed as a whole: their one blocking collectiv
 and the quantize / dequantize around it is compute, not waiting; timing the slot call too
 would count the collective twice. On CUDA the collectives run on FSDP's own comm streams and
 the host never blocks in them: the exposed part is the time the compute stream stalls on
-FSDP's events, which these slots do not see, so they add nothing there (not built yet: a
-CUDA event at the compute stream's wait point, paired with one after the collective).
+FSDP's events, which these slots do not see; fsdpx/comm/fsdp_events.py times it with CUDA
+event pairs at FSDP's wait points ([Note: CUDA waits]). FSDP's HSDP / replicate all-reduce
+is outside the slot: fsdpx/comm/fsdp_all_reduce.py counts it and times its wait on CPU
+([Note: timing FSDP's all-reduce]).
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
-from fsdpx.comm import counted
+from fsdpx.comm import counted, fsdp_all_reduce, fsdp_events
+from fsdpx.comm.fsdp_all_reduce import AllReduceTimer
 from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 from fsdpx.ops.quant_int4 import dequantize_int4, packed_int4_bytes, quantize_int4
 from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
@@ -163,7 +167,18 @@ class CountedAllGather(DefaultAllGather):
 
 
 class CountedReduceScatter(DefaultReduceScatter):
-    """FSDP's default reduce-scatter, counted as ``reduce_scatter``."""
+    """FSDP's default reduce-scatter, counted as ``reduce_scatter``; under HSDP it marks
+    where FSDP's all-reduce begins (fsdpx/comm/fsdp_all_reduce.py)."""
+
+    timer: AllReduceTimer | None = None
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        out = super().allocate(size, dtype=dtype, device=device)
+        if self.timer is not None:
+            self.timer.mark()  # [Note: timing FSDP's all-reduce]
+        return out
 
     def __call__(
         self,
@@ -183,6 +198,8 @@ class CountedReduceScatter(DefaultReduceScatter):
             ),
         )
         counted.comm_log().done()
+        if self.timer is not None:
+            self.timer.mark()
         return work
 
 
@@ -262,6 +279,16 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
 
     bits: Literal[8, 4]
     block_size: int
+    timer: AllReduceTimer | None = None
+    """Under HSDP: marks where FSDP's all-reduce begins (fsdpx/comm/fsdp_all_reduce.py)."""
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        out = super().allocate(size, dtype=dtype, device=device)
+        if self.timer is not None:
+            self.timer.mark()
+        return out
 
     def qbytes(self, m: int) -> int:
         return m if self.bits == 8 else packed_int4_bytes(m)
@@ -307,6 +334,8 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         if avg:
             acc /= w
         output_tensor.copy_(acc)
+        if self.timer is not None:
+            self.timer.mark()
 
 
 def install(
@@ -329,3 +358,13 @@ def install(
     )
     module.set_custom_all_gather(ag)
     module.set_custom_reduce_scatter(rs)
+    # HSDP / replicate: FSDP's own all-reduce, counted and timed ([Note: timing FSDP's
+    # all-reduce] in fsdpx/comm/fsdp_all_reduce.py).
+    timer = fsdp_all_reduce.attach(module)
+    if timer is not None:
+        assert isinstance(rs, CountedReduceScatter | QuantizedReduceScatter)
+        rs.timer = timer
+    if not quantized_weights and not quantized_gradients:
+        # CUDA: the compute stream's stalls on FSDP's collectives, as CUDA event pairs
+        # ([Note: CUDA waits] in fsdpx/comm/fsdp_events.py; nothing without CUDA).
+        fsdp_events.attach(module)
