@@ -281,7 +281,7 @@ def child_main(table: str, address: str, stats_path: str) -> None:
 
         def on_telemetry_batch(self, message: TelemetryBatch) -> None:
             t = time.thread_time()
-            self.records += len(message.records)
+            self.records += len(message.records) + sum(b.n for b in message.columns)
             super().on_telemetry_batch(message)
             self.cpu_batches += time.thread_time() - t
 

@@ -15,10 +15,11 @@ outcome is the same either way (tests/test_monitor_columns.py compares them).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from fsdpx.telemetry.wire.columns import RecordColumns
 from monitor.stragglers import PHASE_FIELDS
@@ -104,16 +105,61 @@ def _score(
 
 
 def _aggregate(model: MonitorModel, steps: list[int], losses: list[Any], tokens: list[Any]) -> None:
-    from monitor.model import _real
+    """The curves' per-step sums: one numpy pass per column, one update per step."""
+    loss = _floats(losses)
+    tps = _floats(tokens)
+    try:
+        step_ids = np.array(steps, dtype=np.int64)
+    except OverflowError:  # an int beyond int64: per record, as add_records does
+        loss = tps = None
+    if loss is None or tps is None:
+        _aggregate_rows(model, steps, losses, tokens)
+        return
+    finite, present = np.isfinite(loss), ~np.isnan(tps)
+    unique, where = np.unique(step_ids, return_inverse=True)
+    k = len(unique)
+    loss_sum = np.bincount(where, weights=np.where(finite, loss, 0.0), minlength=k).tolist()
+    loss_n = np.bincount(where, weights=finite, minlength=k).tolist()
+    tps_sum = np.bincount(where, weights=np.where(present, tps, 0.0), minlength=k).tolist()
+    tps_n = np.bincount(where, weights=present, minlength=k).tolist()
+    aggregates = model._steps
+    for i, step in enumerate(unique.tolist()):
+        agg = aggregates.get(step) or model._new_step(step)
+        if agg is None:
+            continue
+        agg.loss_sum += loss_sum[i]
+        agg.loss_n += int(loss_n[i])
+        agg.tps_sum += tps_sum[i]
+        agg.tps_n += int(tps_n[i])
+
+
+_NUMBERS = frozenset({float, int, type(None)})
+
+
+def _floats(values: list[Any]) -> np.ndarray | None:
+    """A column as float64 (nil: NaN), or None when it holds anything but numbers and nil
+    (bools and strings are not numbers here, as `_real` says)."""
+    if not _NUMBERS.issuperset(map(type, values)):
+        return None
+    try:
+        return np.array(values, dtype=float)
+    except OverflowError:
+        return None
+
+
+def _aggregate_rows(
+    model: MonitorModel, steps: list[int], losses: list[Any], tokens: list[Any]
+) -> None:
+    from monitor.model import _finite, _summable
 
     aggregates = model._steps
     for step, loss, tps in zip(steps, losses, tokens, strict=True):
         agg = aggregates.get(step) or model._new_step(step)
         if agg is None:
             continue
-        if _real(loss) and -math.inf < loss < math.inf:
+        if _finite(loss):
             agg.loss_sum += loss
             agg.loss_n += 1
-        if _real(tps):
+        if _summable(tps):
             agg.tps_sum += tps
             agg.tps_n += 1

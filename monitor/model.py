@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,6 +83,23 @@ def _real(value: Any) -> TypeGuard[int | float]:
     """An int or float that is not a bool (exact type checks: the hot paths use them)."""
     t = type(value)
     return t is float or t is int
+
+
+_MAX = sys.float_info.max
+
+
+def _finite(value: Any) -> TypeGuard[int | float]:
+    """A finite real number that a float sum can take (NaN and infinities are not; nor is
+    an int beyond float's range, which would raise OverflowError when added)."""
+    t = type(value)
+    return (t is float or t is int) and -_MAX <= value <= _MAX  # NaN compares false
+
+
+def _summable(value: Any) -> TypeGuard[int | float]:
+    """A real number a float sum can take (infinities and NaN included, as before; an int
+    beyond float's range is not)."""
+    t = type(value)
+    return t is float or (t is int and -_MAX <= value <= _MAX)
 
 
 def _number(value: Any) -> float | None:
@@ -186,11 +204,11 @@ class MonitorModel:
             agg = steps.get(step) or self._new_step(step)
             if agg is None:
                 continue  # older than everything kept: too late for the curves
-            if _real(loss) and -math.inf < loss < math.inf:  # NaN compares false
+            if _finite(loss):
                 agg.loss_sum += loss
                 agg.loss_n += 1
             tps = rec.get("tokens_per_s")
-            if _real(tps):
+            if _summable(tps):
                 agg.tps_sum += tps
                 agg.tps_n += 1
 
@@ -405,7 +423,7 @@ class MonitorModel:
             if _real(st) and st > straggler_cut:
                 bits |= b_straggler
             loss = rec.get("loss")
-            finite_loss = _real(loss) and -math.inf < loss < math.inf
+            finite_loss = _finite(loss)
             if _real(loss) and not finite_loss:
                 bits |= b_nan
             mem_frac = None
@@ -435,7 +453,7 @@ class MonitorModel:
                     loss_sum += loss
                     loss_n += 1
                 tps = rec.get("tokens_per_s")
-                if status is alive and _real(tps):
+                if status is alive and _summable(tps):
                     tps_total += tps
                     tps_seen = True
         losses_mean = loss_sum / loss_n if loss_n else None

@@ -30,9 +30,9 @@ show that time in whichever phase holds the collective. While most ranks are not
 stragglers the waiting ranks are the majority and set the median, so the rank that made
 them wait stands out and they do not. With two ranks (or half the ranks straggling) the
 median cannot tell the two apart; `comm_wait_s` is the measurement that can: the rank
-that waited has the larger comm wait. It covers fsdpx's comm layer and, on a CPU device,
-FSDP2's own all-gather / reduce-scatter waits; on CUDA FSDP2's are not timed yet
-(monitor/PROTOCOL.md "Phase times"). It is one number per step, not split by the phase
+that waited has the larger comm wait. It covers fsdpx's comm layer and FSDP2's own waits
+(on CPU wall time, HSDP's all-reduce included; on CUDA event pairs at FSDP's wait points:
+monitor/PROTOCOL.md "Phase times"). It is one number per step, not split by the phase
 that held the collective, so it is not subtracted from forward / backward here.
 """
 

@@ -134,8 +134,8 @@ def _state(model: MonitorModel, now: float) -> Any:
         rows,
         history,
         snap.summary,
-        snap.loss_curve,
-        snap.throughput_curve,
+        [(step, round(v, 9)) for step, v in snap.loss_curve],  # sums in another order
+        [(step, round(v, 6)) for step, v in snap.throughput_curve],
         snap.stragglers,
         [(e["rank"], e["kind"], e["time"], e.get("run_id")) for e in model.events],
         model.bad_records,
@@ -155,14 +155,21 @@ def test_a_model_fed_columns_ends_as_one_fed_dicts() -> None:
         by_columns.add_columns(block, now=now, source="a")
     end = run.time_of(31)
     assert any(e["kind"] == "straggler" for e in by_columns.events)
+    assert len(by_columns.snapshot(end).loss_curve) == 30
     assert _state(by_columns, end) == _state(by_rows, end)
 
 
 def test_columns_with_bad_ranks_or_several_runs_take_the_row_path() -> None:
     good = [{**_record(r, 1), "time": 1.0, "loss": 2.0, "run_id": "a"} for r in range(3)]
     bad = [{**good[0], "rank": "zero"}, good[1], {**good[2], "run_id": "b"}]
+    # Valid ranks, but values numpy must not take: a bool and a str loss, a huge int.
+    odd = [
+        {**good[0], "step": 2, "loss": True},
+        {**good[1], "step": 2, "loss": "x"},
+        {**good[2], "step": 2, "tokens_per_s": 10**400},
+    ]
     book_rows, book_cols = RunBook(MonitorSettings()), RunBook(MonitorSettings())
-    for records in (good, bad):
+    for records in (good, bad, odd):
         book_rows.add_records(records, now=2.0)
         block = RecordColumns.read(to_columns(records))
         assert block is not None
