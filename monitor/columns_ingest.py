@@ -47,6 +47,8 @@ def add_columns(
         model.add_records(block.rows(), now, source)
         return
     n = block.n
+    if n == 0:
+        return  # (a hostile empty block: nothing to store)
     nils = [None] * n
     col = {name: block.get(name) or nils for name in ("step_time_s", "loss", "mem_allocated")}
     states = model.ranks
@@ -79,12 +81,17 @@ def add_columns(
         strict=True,
     ):
         states[rank].history.append(point)
-    _score(model, block, ranks, steps, nils)
+    _score(model, block, ranks, steps, nils, now)
     _aggregate(model, steps, col["loss"], block.get("tokens_per_s") or nils)
 
 
 def _score(
-    model: MonitorModel, block: RecordColumns, ranks: list[int], steps: list[int], nils: list[None]
+    model: MonitorModel,
+    block: RecordColumns,
+    ranks: list[int],
+    steps: list[int],
+    nils: list[None],
+    now: float,
 ) -> None:
     phases = zip(*(block.get(f) or nils for f in PHASE_FIELDS), strict=True)
     scores = model.stragglers
@@ -101,7 +108,7 @@ def _score(
     if scores.has_events:
         # Stamped as add_records stamps them: the run of the block, its arrival time.
         run_ids = block.get("run_id") or nils
-        model._made(scores.take_events(), {"run_id": run_ids[-1]}, model.ranks[ranks[-1]].last_seen)
+        model._made(scores.take_events(), {"run_id": run_ids[-1]}, now)
 
 
 def _aggregate(model: MonitorModel, steps: list[int], losses: list[Any], tokens: list[Any]) -> None:

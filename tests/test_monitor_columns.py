@@ -179,6 +179,10 @@ def test_columns_with_bad_ranks_or_several_runs_take_the_row_path() -> None:
         assert _state(book_cols.model(run_id), 3.0) == _state(book_rows.model(run_id), 3.0)
         assert book_cols.info(run_id) == book_rows.info(run_id)
     assert book_cols.model("a").bad_records == 1
+    empty = RecordColumns.read({"rank": [], "step": []})
+    assert empty is not None
+    book_cols.model("a").add_columns(empty, now=4.0)  # a hostile empty block: no change
+    assert _state(book_cols.model("a"), 3.0) == _state(book_rows.model("a"), 3.0)
 
 
 def test_receiver_asks_for_columns_and_keeps_rows_and_columns_apart(tmp_path: Path) -> None:
