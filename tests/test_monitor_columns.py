@@ -49,7 +49,8 @@ def test_columns_hold_exactly_the_records_and_differing_keys_stay_rows() -> None
     assert to_columns(records[:1]) is None  # one record: a map is smaller
     one = to_columns([{"rank": 1}, {"rank": 2}])
     assert one == {"rank": [1, 2]}
-    for bad in ({}, [], {"a": [1], "b": [1, 2]}, {"a": 1}, None):
+    malformed: list[Any] = [{}, [], {"a": [1], "b": [1, 2]}, {"a": 1}, None]
+    for bad in malformed:
         assert RecordColumns.read(bad) is None
     # Encoded as a batch: one frame, under the limit, decoded as the protocol decodes it;
     # a row batch of mixed keys goes as `records`.
@@ -247,3 +248,13 @@ def test_hello_asks_for_columns_only_with_batches(tmp_path: Path) -> None:
     for batch_s, columns in ((0.5, True), (None, True), (0.5, False)):
         asyncio.run(scenario(batch_s, columns))
     assert seen[0]["columns"] is True and "columns" not in seen[1] and "columns" not in seen[2]
+
+
+def test_hello_columns_must_be_a_bool() -> None:
+    from fsdpx.telemetry.wire.protocol import ProtocolError
+    from fsdpx.telemetry.wire.validate import check_hello
+
+    hello = {"type": "hello", "version": 1, "role": "monitor", "host": "h", "pid": 1}
+    check_hello({**hello, "batch_s": 0.5, "columns": True})
+    with pytest.raises(ProtocolError, match=r"^hello field 'columns' must be a bool; got int 1$"):
+        check_hello({**hello, "columns": 1})
