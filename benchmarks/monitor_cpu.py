@@ -6,7 +6,9 @@ a relay: it speaks the relay's side of the handshake on a Unix socket and forwar
 rank's frame as it came (`--frames as-sent`: every rank sends one every `--batch` s, as a
 publisher does), or, for a monitor whose hello asks for batches (`batch_s`, as the fsdpx
 monitor does), one `batch` frame per `batch_s` made by the relay's own code
-(fsdpx/telemetry/wire/coalesce.py: `--frames coalesced`), at `--rate` records/s per rank.
+(fsdpx/telemetry/wire/coalesce.py: `--frames coalesced`, rows as a 1.0 relay sends them;
+`--frames columnar`, records as columns when the hello asks, as a 1.1 relay does:
+fsdpx/telemetry/wire/columns.py), at `--rate` records/s per rank.
 The monitor's CPU use is its process CPU time (user + system, all threads) over a
 wall-time window after a warm-up, read from /proc.
 
@@ -19,6 +21,7 @@ Run (about 4 minutes):
     python benchmarks/monitor_cpu.py                         # 1,024 and 4,096 ranks
     python benchmarks/monitor_cpu.py --ranks 1024 --seconds 10 --tables line
     python benchmarks/monitor_cpu.py --tables line --frames as-sent coalesced --repeat 2
+    python benchmarks/monitor_cpu.py --receive-only --ranks 4096 --repeat 3
 
 Output: one line per (table, frames, ranks) with CPU % of one core and records/s
 received, then the DataTable / line ratio per rank count, and the as-sent / coalesced
@@ -68,11 +71,13 @@ class FakeRelay:
     """Accepts one monitor, does the handshake, then streams records until stopped."""
 
     def __init__(
-        self, path: str, n_ranks: int, rate_hz: float, batch_s: float, coalesce: bool
+        self, path: str, n_ranks: int, rate_hz: float, batch_s: float, frames: str
     ) -> None:
         self.path = path
-        self.coalesce = coalesce
+        self.coalesce = frames != "as-sent"
+        self.columnar = frames == "columnar"
         self.monitor_batch_s: float | None = None
+        self.monitor_columns = False
         self.batch_s = batch_s
         self.frames = 0
         self.run = SyntheticRun(
@@ -97,6 +102,7 @@ class FakeRelay:
             hello = decoder.feed(conn.recv(65536))
         if self.coalesce:  # as the relay does for a monitor that asks
             self.monitor_batch_s = hello[0].get("batch_s")
+            self.monitor_columns = self.columnar and hello[0].get("columns") is True
         conn.sendall(encode_frame({"type": "welcome", "version": 1, "host": "bench", "pid": 0}))
         conn.sendall(encode_frame({"type": "history", "records": [], "events": [], "more": False}))
         self.connected.set()
@@ -137,7 +143,8 @@ class FakeRelay:
                     frames.append(encode_frame({"type": "records", "records": records}))
                     self.sent += len(records)
             if interval and time.monotonic() >= flush_at:
-                frames = [HEADER.pack(len(b)) + b for b in encode_batches(pending, [])]
+                bodies = encode_batches(pending, [], columns=self.monitor_columns)
+                frames = [HEADER.pack(len(b)) + b for b in bodies]
                 self.sent += len(pending)
                 pending = []
                 flush_at += interval
@@ -171,7 +178,7 @@ def measure(
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "relay.sock")
         stats = os.path.join(tmp, "stats.json")
-        relay = FakeRelay(sock, n_ranks, rate_hz, batch_s, coalesce=frames == "coalesced")
+        relay = FakeRelay(sock, n_ranks, rate_hz, batch_s, frames)
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
         env = {
@@ -232,8 +239,10 @@ def measure(
             raise RuntimeError(f"monitor exited with {child.returncode}: {text[-1500:]}")
         received = json.loads(Path(stats).read_text()) if os.path.exists(stats) else {}
         wall = wall1 - wall0
-        if frames == "coalesced" and not relay.monitor_batch_s:
+        if frames != "as-sent" and not relay.monitor_batch_s:
             raise RuntimeError("the monitor did not ask for batches (hello batch_s)")
+        if frames == "columnar" and not relay.monitor_columns:
+            raise RuntimeError("the monitor did not ask for columns (hello columns)")
         return {
             "table": table,
             "frames": frames,
@@ -272,7 +281,7 @@ def child_main(table: str, address: str, stats_path: str) -> None:
 
         def on_telemetry_batch(self, message: TelemetryBatch) -> None:
             t = time.thread_time()
-            self.records += len(message.records)
+            self.records += len(message.records) + sum(b.n for b in message.columns)
             super().on_telemetry_batch(message)
             self.cpu_batches += time.thread_time() - t
 
@@ -344,9 +353,11 @@ def child_main(table: str, address: str, stats_path: str) -> None:
 def receive_path(n_ranks: int, rate_hz: float, batch_s: float, seconds: float) -> None:
     """--receive-only: the monitor's receive path alone, in this process, without a
     terminal: the bytes of `seconds` of traffic (as sent: a frame per rank per `batch_s`;
-    coalesced: one batch per monitor refresh, 0.5 s) fed through the real RelayClient
-    (frame decoding, validation walk, batching) into the app's RunBook (the records'
-    ingest: rank state, step aggregates, straggler scores). CPU time (process_time) per
+    coalesced: one batch per monitor refresh, 0.5 s, rows; columnar: the same batches with
+    records as columns, protocol 1.1) fed through the real RelayClient (frame decoding,
+    validation walk, batching) into the app's RunBook (the records' ingest: rank state,
+    step aggregates, straggler scores), then one snapshot per refresh (what the app
+    computes before drawing: statuses, outliers, summary, top stragglers). CPU time (process_time) per
     second of traffic, so a busy shared machine skews it far less than the live runs.
     Rendering is not included: it does not depend on how records arrive."""
     import asyncio
@@ -383,17 +394,19 @@ def receive_path(n_ranks: int, rate_hz: float, batch_s: float, seconds: float) -
     ]
     streams["as-sent"] = b"".join(frames)
     per_batch = max(1, round(refresh_s / batch_s))
-    bodies = []
-    for start in range(0, intervals, per_batch):
-        pending = [
-            rec
-            for i in range(start, min(intervals, start + per_batch))
-            for r in range(n_ranks)
-            for rec in records_of(i, r)
-        ]
-        bodies += encode_batches(pending, [])
-    streams["coalesced"] = b"".join(HEADER.pack(len(b)) + b for b in bodies)
-    counts = {"as-sent": len(frames), "coalesced": len(bodies)}
+    counts = {"as-sent": len(frames)}
+    for name, columns in (("coalesced", False), ("columnar", True)):
+        bodies = []
+        for start in range(0, intervals, per_batch):
+            pending = [
+                rec
+                for i in range(start, min(intervals, start + per_batch))
+                for r in range(n_ranks)
+                for rec in records_of(i, r)
+            ]
+            bodies += encode_batches(pending, [], columns=columns)
+        streams[name] = b"".join(HEADER.pack(len(b)) + b for b in bodies)
+        counts[name] = len(bodies)
     for name, data in streams.items():
         book = RunBook(MonitorSettings())
         got: list[int] = []
@@ -404,8 +417,10 @@ def receive_path(n_ranks: int, rate_hz: float, batch_s: float, seconds: float) -
         ) -> None:
             t0 = time.process_time()
             book.add_records(batch.records, now=batch.received_at, source=batch.source)
+            for block in batch.columns:
+                book.add_columns(block, now=batch.received_at, source=batch.source)
             t[0] += time.process_time() - t0
-            got.append(len(batch.records))
+            got.append(len(batch.records) + sum(block.n for block in batch.columns))
 
         client = RelayClient("bench", on_batch=ingest, on_status=lambda *_: None)
 
@@ -419,10 +434,18 @@ def receive_path(n_ranks: int, rate_hz: float, batch_s: float, seconds: float) -
         cpu0 = time.process_time()
         asyncio.run(feed())
         cpu = time.process_time() - cpu0
+        # The app's per-refresh model work on the final state (before Textual draws).
+        model = book.model(book.newest)
+        end = 1000.0 + seconds
+        cpu0 = time.process_time()
+        for _ in range(int(seconds / refresh_s)):
+            model.snapshot(end)
+        snap = time.process_time() - cpu0
         print(
             f"receive path  {name:9s} ranks={n_ranks:5d}  {counts[name]:7d} frames, "
             f"{sum(got):8d} records for {seconds:.0f} s of traffic: {100 * cpu / seconds:5.2f}% "
-            f"of one core, of which ingest {100 * ingest_cpu[0] / seconds:5.2f}% "
+            f"of one core, of which ingest {100 * ingest_cpu[0] / seconds:5.2f}%; "
+            f"snapshots at {1 / refresh_s:.0f} Hz {100 * snap / seconds:5.2f}% "
             f"(load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
@@ -446,8 +469,9 @@ def main() -> None:
         "--frames",
         nargs="+",
         default=["coalesced"],
-        choices=["as-sent", "coalesced"],
-        help="what the relay sends the monitor: ranks' frames as they came, or batches",
+        choices=["as-sent", "coalesced", "columnar"],
+        help="what the relay sends the monitor: ranks' frames as they came, or batches "
+        "(rows, as a 1.0 relay; columnar, as a 1.1 relay)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="rounds (interleaved)")
     parser.add_argument(

@@ -162,6 +162,7 @@ class MonitorApp(App[None]):
                     # One frame from the relay per refresh (fsdpx/telemetry/wire/
                     # coalesce.py [Note: relay coalescing]), within the range it accepts.
                     batch_s=min(max(1.0 / self.refresh_hz, BATCH_S_MIN), BATCH_S_MAX),
+                    columns=True,  # records as columns (fsdpx/telemetry/wire/columns.py)
                 )
                 self._clients.append(client)
                 self.run_worker(client.run(), group="relays", name=address)
@@ -209,6 +210,8 @@ class MonitorApp(App[None]):
         shown, known = self.shown_run, len(self.runs)
         # Records first: a batch's events (an exit) come after its records.
         self.runs.add_records(message.records, now=message.received_at, source=message.source)
+        for block in message.columns:  # (a batch holds records or columns, not both)
+            self.runs.add_columns(block, now=message.received_at, source=message.source)
         by_run = self.runs.add_events(message.events, now=message.received_at)
         if message.dumps:
             self.runs.add_dumps(message.dumps)

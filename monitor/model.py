@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from fsdpx.telemetry.wire.columns import RecordColumns
+from monitor.columns_ingest import add_columns
 from monitor.hangs import DumpBook
 from monitor.nodes import node_rows, relay_event
 from monitor.state import (
@@ -80,6 +83,23 @@ def _real(value: Any) -> TypeGuard[int | float]:
     """An int or float that is not a bool (exact type checks: the hot paths use them)."""
     t = type(value)
     return t is float or t is int
+
+
+_MAX = sys.float_info.max
+
+
+def _finite(value: Any) -> TypeGuard[int | float]:
+    """A finite real number that a float sum can take (NaN and infinities are not; nor is
+    an int beyond float's range, which would raise OverflowError when added)."""
+    t = type(value)
+    return (t is float or t is int) and -_MAX <= value <= _MAX  # NaN compares false
+
+
+def _summable(value: Any) -> TypeGuard[int | float]:
+    """A real number a float sum can take (infinities and NaN included, as before; an int
+    beyond float's range is not)."""
+    t = type(value)
+    return t is float or (t is int and -_MAX <= value <= _MAX)
 
 
 def _number(value: Any) -> float | None:
@@ -148,7 +168,6 @@ class MonitorModel:
         received at its own `time`."""
         ranks = self.ranks
         steps = self._steps
-        keep = self.settings.history_steps
         rank_history = self.settings.rank_history
         scores = self.stragglers
         for rec in records:
@@ -182,25 +201,39 @@ class MonitorModel:
             scores.add(rank, step, rec)
             if scores.has_events:
                 self._made(scores.take_events(), rec, seen)
-            agg = steps.get(step)
+            agg = steps.get(step) or self._new_step(step)
             if agg is None:
-                if len(steps) >= keep and step < next(iter(steps)):
-                    continue  # older than everything kept: too late for the curves
-                out_of_order = bool(steps) and step < next(reversed(steps))
-                agg = steps[step] = _StepAggregate()
-                if out_of_order:
-                    # A step older than the newest (after a gap): keep the dict sorted.
-                    for key in sorted(steps):
-                        steps.move_to_end(key)
-                if len(steps) > keep:
-                    steps.popitem(last=False)
-            if _real(loss) and -math.inf < loss < math.inf:  # NaN compares false
+                continue  # older than everything kept: too late for the curves
+            if _finite(loss):
                 agg.loss_sum += loss
                 agg.loss_n += 1
             tps = rec.get("tokens_per_s")
-            if _real(tps):
+            if _summable(tps):
                 agg.tps_sum += tps
                 agg.tps_n += 1
+
+    def _new_step(self, step: int) -> _StepAggregate | None:
+        """The curves' aggregate for a step not seen yet (None: older than all kept)."""
+        steps = self._steps
+        if len(steps) >= self.settings.history_steps and step < next(iter(steps)):
+            return None
+        out_of_order = bool(steps) and step < next(reversed(steps))
+        agg = steps[step] = _StepAggregate()
+        if out_of_order:
+            # A step older than the newest (after a gap): keep the dict sorted.
+            for key in sorted(steps):
+                steps.move_to_end(key)
+        if len(steps) > self.settings.history_steps:
+            steps.popitem(last=False)
+        return agg
+
+    def add_columns(
+        self, block: RecordColumns, now: float | None, source: str | None = None
+    ) -> None:
+        """Store a block of records received as columns (protocol 1.1): the same outcome
+        as `add_records(block.rows(), ...)`, cheaper (monitor/columns_ingest.py [Note:
+        ingesting columns])."""
+        add_columns(self, block, now, source)
 
     def _made(self, events: list[dict[str, Any]], rec: dict[str, Any], seen: float) -> None:
         """Stamp events this model made with the record's run and the arrival time."""
@@ -390,7 +423,7 @@ class MonitorModel:
             if _real(st) and st > straggler_cut:
                 bits |= b_straggler
             loss = rec.get("loss")
-            finite_loss = _real(loss) and -math.inf < loss < math.inf
+            finite_loss = _finite(loss)
             if _real(loss) and not finite_loss:
                 bits |= b_nan
             mem_frac = None
@@ -420,7 +453,7 @@ class MonitorModel:
                     loss_sum += loss
                     loss_n += 1
                 tps = rec.get("tokens_per_s")
-                if status is alive and _real(tps):
+                if status is alive and _summable(tps):
                     tps_total += tps
                     tps_seen = True
         losses_mean = loss_sum / loss_n if loss_n else None

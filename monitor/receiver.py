@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdpx.telemetry.wire.columns import RecordColumns
 from fsdpx.telemetry.wire.protocol import (
     FrameDecoder,
     ProtocolError,
@@ -47,6 +48,9 @@ class Batch:
     history: bool = False
     dumps: list[dict[str, Any]] = field(default_factory=list)
     """Ranks' hang dumps (answers to `request_dumps`)."""
+    columns: list[RecordColumns] = field(default_factory=list)
+    """Records that came as columns (protocol 1.1, asked for with `columns`); a batch
+    holds these or `records`, never both, so the order records arrived in is kept."""
 
 
 @dataclass
@@ -64,6 +68,8 @@ class RelayClient:
         batch_s: ask the relay to coalesce live traffic into one `batch` frame per this
             many seconds (the monitor's refresh interval; BATCH_S_MIN..BATCH_S_MAX);
             None: a frame per rank frame, as relays forward them.
+        columns: with `batch_s`, also ask for records as columns (protocol 1.1,
+            fsdpx/telemetry/wire/columns.py); they arrive in `Batch.columns`.
 
     Example::
 
@@ -80,6 +86,7 @@ class RelayClient:
     retry_s: float = 0.5
     max_retry_s: float = 5.0
     batch_s: float | None = None
+    columns: bool = False
     reconnect: bool = True
     frames: int = field(default=0, init=False)
     _writer: asyncio.StreamWriter | None = field(default=None, init=False, repr=False)
@@ -140,6 +147,7 @@ class RelayClient:
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 **({} if self.batch_s is None else {"batch_s": self.batch_s}),
+                **({"columns": True} if self.columns and self.batch_s is not None else {}),
             )
             writer.write(encode_frame(hello))
             await writer.drain()
@@ -184,14 +192,29 @@ class RelayClient:
                             self._deliver(_in_step_order(history))
                             history = Batch(self.address, history=True)
                     elif kind in ("records", "batch"):
-                        pending.records.extend(_list(message.get("records")))
+                        records = _list(message.get("records"))
+                        block = message.get("record_columns")
+                        if (records and pending.columns) or (block is not None and pending.records):
+                            # Rows and columns never share a batch, so arrival order is kept.
+                            if timer is not None:
+                                timer.cancel()
+                            flush()
+                        pending.records.extend(records)
+                        if block is not None:
+                            columns = RecordColumns.read(block)
+                            if columns is not None:
+                                pending.columns.append(columns)
+                            else:  # malformed: one non-map item, counted as a bad record
+                                pending.records.append(block)
                         if kind == "batch":
                             pending.events.extend(_list(message.get("events")))
                     elif kind == "events":
                         pending.events.extend(_list(message.get("events")))
                     elif kind == "dump" and type(message.get("dump")) is dict:
                         pending.dumps.append(message["dump"])
-                if timer is None and (pending.records or pending.events or pending.dumps):
+                if timer is None and (
+                    pending.records or pending.events or pending.dumps or pending.columns
+                ):
                     timer = loop.call_later(self.flush_interval_s, flush)
                 data = await reader.read(_READ_BYTES)
                 if not data:
@@ -203,7 +226,7 @@ class RelayClient:
             flush()
 
     def _flush(self, batch: Batch) -> None:
-        if batch.records or batch.events or batch.dumps:
+        if batch.records or batch.events or batch.dumps or batch.columns:
             self._deliver(batch)
 
     def _deliver(self, batch: Batch) -> None:

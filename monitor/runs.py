@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from fsdpx.telemetry.wire.columns import RecordColumns
 from fsdpx.telemetry.wire.runs import run_of
 from monitor.model import MonitorModel
 from monitor.state import MonitorSettings
@@ -114,6 +115,31 @@ class RunBook:
             info = self._info[run_id]
             if info.first_step is None or info.job is None:
                 self._note(info, group)
+
+    def add_columns(
+        self, block: RecordColumns, now: float | None, source: str | None = None
+    ) -> None:
+        """Route a columnar block (protocol 1.1) to its runs' models (see
+        MonitorModel.add_columns); one run per block is the usual case, else it is split."""
+        run_ids = block.get("run_id") or [None] * block.n
+        kinds = set(map(type, run_ids))
+        if kinds <= {str, type(None)} and len(set(run_ids)) == 1:
+            groups = {run_ids[0]: block}
+        else:
+            indexes: dict[str | None, list[int]] = {}
+            for i, value in enumerate(run_ids):
+                indexes.setdefault(value if type(value) is str else None, []).append(i)
+            groups = {run: block.take(ix) for run, ix in indexes.items()}
+        for run_id, part in groups.items():
+            self._run(run_id).add_columns(part, now, source)
+            info = self._info[run_id]
+            # As _note does for rows: the lowest int step, the first record's job.
+            if info.first_step is None:
+                ints = [s for s in part.get("step") or [] if type(s) is int]
+                info.first_step = min(ints) if ints else None
+            if info.job is None:
+                job = (part.get("job") or [None])[0]
+                info.job = job if type(job) is str else None
 
     def set_reachable(self, source: str, reachable: bool, now: float) -> None:
         """A relay connection went down or came back: every run's ranks behind it show so

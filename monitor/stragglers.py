@@ -30,18 +30,22 @@ show that time in whichever phase holds the collective. While most ranks are not
 stragglers the waiting ranks are the majority and set the median, so the rank that made
 them wait stands out and they do not. With two ranks (or half the ranks straggling) the
 median cannot tell the two apart; `comm_wait_s` is the measurement that can: the rank
-that waited has the larger comm wait. It covers fsdpx's comm layer and, on a CPU device,
-FSDP2's own all-gather / reduce-scatter waits; on CUDA FSDP2's are not timed yet
-(monitor/PROTOCOL.md "Phase times"). It is one number per step, not split by the phase
+that waited has the larger comm wait. It covers fsdpx's comm layer and FSDP2's own waits
+(on CPU wall time, HSDP's all-reduce included; on CUDA event pairs at FSDP's wait points:
+monitor/PROTOCOL.md "Phase times"). It is one number per step, not split by the phase
 that held the collective, so it is not subtracted from forward / backward here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from fsdpx.telemetry.wire.protocol import PHASE_FIELDS
 
@@ -89,21 +93,6 @@ class ScoreSettings:
             raise ValueError(f"expected min_excess >= 0, found {self.min_excess}")
 
 
-@dataclass
-class _RankScores:
-    host: Any = None
-    relative: list[float | None] = field(default_factory=lambda: [None] * _NP)
-    individual: list[float | None] = field(default_factory=lambda: [None] * _NP)
-    best: list[float | None] = field(default_factory=lambda: [None] * _NP)
-    slowness: list[float] = field(default_factory=lambda: [0.0] * _NP)
-    ratio: list[float | None] = field(default_factory=lambda: [None] * _NP)
-    """Last scored time / the phase's median (None: no time or a zero median)."""
-    slow: list[bool] = field(default_factory=lambda: [False] * _NP)
-    chronic_since: list[int | None] = field(default_factory=lambda: [None] * _NP)
-    step: int = 0
-    """The last scored step this rank took part in."""
-
-
 @dataclass(frozen=True)
 class StragglerRow:
     """One rank in the stragglers view."""
@@ -131,51 +120,125 @@ class StragglerRow:
 
 class StragglerScores:
     """Per-rank, per-phase scores of one run, fed with its records ([Note: straggler
-    scoring]). `add` is cheap per record; the cross-rank work runs once per step.
+    scoring]). `add` is cheap per record; the cross-rank work runs once per step, on numpy
+    arrays indexed by a rank's slot ([Note: vectorised scoring]).
 
     Example::
 
         scores = StragglerScores(ScoreSettings())
-        scores.add(records)                 # from MonitorModel.add_records
+        scores.add(rank, step, record)      # from MonitorModel.add_records
         rows = scores.top(5)                # slowest first
         events = scores.take_events()       # ranks that became chronic
     """
 
     def __init__(self, settings: ScoreSettings) -> None:
         self.settings = settings
-        self.ranks: dict[int, _RankScores] = {}
+        self._slot: dict[int, int] = {}
+        """rank -> row of the state arrays (ranks in order of first arrival)."""
+        self._rank_of: list[int] = []
+        self._hosts: list[Any] = []
+        # Per-slot state, one row per rank and one column per phase (NaN: none yet).
+        self._relative = _state(0, np.nan, float)
+        self._individual = _state(0, np.nan, float)
+        self._best = _state(0, np.nan, float)
+        self._ratio = _state(0, np.nan, float)
+        """Last scored time / the phase's median (NaN: no time or a zero median)."""
+        self._slowness = _state(0, 0.0, float)
+        self._slow = _state(0, False, bool)
+        self._since = _state(0, -1, np.int64)
+        """Step the rank became chronic in the phase; -1: not chronic."""
+        self._step = np.zeros(0, dtype=np.int64)
+        """The last scored step each rank took part in."""
         self._open: dict[int, dict[int, tuple[Any, ...]]] = {}
+        """step -> {slot: the record's phase values as received}."""
         self._step_times: dict[int, list[float]] = {}
         self._scored_through = 0
         self._newest = 0
         self._events: list[dict[str, Any]] = []
+        self._version = 0
+        """Bumped by every scored step: `top` is recomputed only after one."""
+        self._top: tuple[int, int, list[StragglerRow]] | None = None
         self.last_scored_step: int | None = None
         self.world_size: int | None = None
         """The run's world size (from its start events) once known: a step is complete
         when that many ranks reported it."""
 
+    def _grow(self, capacity: int) -> None:
+        """Reallocate the per-slot state for `capacity` slots, keeping what is there."""
+        n = len(self._rank_of)
+        for name, fill in (
+            ("_relative", np.nan),
+            ("_individual", np.nan),
+            ("_best", np.nan),
+            ("_ratio", np.nan),
+            ("_slowness", 0.0),
+            ("_slow", False),
+            ("_since", -1),
+        ):
+            old = getattr(self, name)
+            new = _state(capacity, fill, old.dtype)
+            new[:n] = old[:n]
+            setattr(self, name, new)
+        step = np.zeros(capacity, dtype=np.int64)
+        step[:n] = self._step[:n]
+        self._step = step
+
+    def _new_slot(self, rank: int) -> int:
+        slot = len(self._rank_of)
+        if slot >= len(self._step):
+            self._grow(max(64, 2 * len(self._step)))
+        self._slot[rank] = slot
+        self._rank_of.append(rank)
+        self._hosts.append(None)
+        return slot
+
     def add(self, rank: int, step: int, record: dict[str, Any]) -> None:
         """Buffer one record's phase times (validated ints: MonitorModel checked them)."""
-        state = self.ranks.get(rank)
-        if state is None:
-            state = self.ranks[rank] = _RankScores()
-        state.host = record.get("host")
+        slot = self._slot.get(rank)
+        if slot is None:
+            slot = self._new_slot(rank)
+        self._hosts[slot] = record.get("host")
         if step <= self._scored_through:
             return  # its step was scored already (a late or repeated record)
-        phases = tuple(record.get(f) for f in PHASE_FIELDS)
         row = self._open.get(step)
         if row is None:
             row = self._open[step] = {}
             self._step_times[step] = []
-        row[rank] = phases
+        row[slot] = tuple(map(record.get, PHASE_FIELDS))
         st = record.get("step_time_s")
         if type(st) is float or type(st) is int:
             self._step_times[step].append(float(st))
         if step > self._newest:  # a new step: older ones may be complete or lagged now
             self._newest = step
             self._close_ready()
-        elif len(row) >= (self.world_size or len(self.ranks)):
+        elif len(row) >= (self.world_size or len(self._slot)):
             self._close_ready()
+
+    def add_rows(self, rows: Iterable[tuple[int, int, Any, tuple[Any, ...], Any]]) -> None:
+        """`add` for many records given as (rank, step, host, phase values in
+        PHASE_FIELDS order, step_time_s) tuples (monitor/columns_ingest.py: zipped columns,
+        no record dicts); ranks and steps are validated ints."""
+        slots, hosts, opened, times = self._slot, self._hosts, self._open, self._step_times
+        for rank, step, host, phases, st in rows:
+            slot = slots.get(rank)
+            if slot is None:
+                slot = self._new_slot(rank)
+                hosts = self._hosts
+            hosts[slot] = host
+            if step <= self._scored_through:
+                continue
+            row = opened.get(step)
+            if row is None:
+                row = opened[step] = {}
+                times[step] = []
+            row[slot] = phases
+            if type(st) is float or type(st) is int:
+                times[step].append(float(st))
+            if step > self._newest:
+                self._newest = step
+                self._close_ready()
+            elif len(row) >= (self.world_size or len(slots)):
+                self._close_ready()
 
     def _close_ready(self) -> None:
         """Score the oldest open steps that are complete or lagged, in step order."""
@@ -183,7 +246,7 @@ class StragglerScores:
         while self._open:
             step = min(self._open)
             if n is None:  # which ranks exist is known only once a later step began
-                complete = len(self._open[step]) >= len(self.ranks) and self._newest > step
+                complete = len(self._open[step]) >= len(self._slot) and self._newest > step
             else:
                 complete = len(self._open[step]) >= n
             lagged = self._newest - step >= CLOSE_LAG or len(self._open) > _MAX_OPEN_STEPS
@@ -193,49 +256,66 @@ class StragglerScores:
             self._scored_through = step
 
     def _score(self, step: int, row: dict[int, tuple[Any, ...]], step_times: list[float]) -> None:
+        # [Note: vectorised scoring] At 4,096 ranks a step is 6 x 4,096 rank-phase updates;
+        # as a Python loop that was half of the monitor's ingest CPU. Here each phase is a
+        # handful of numpy operations over the ranks that reported it, with the same
+        # arithmetic (IEEE doubles both ways; NaN stands for "none"). Values that are not
+        # int/float (bool, str, nil: the monitor survives any publisher) are unknown, as
+        # are negative ones, exactly as the per-rank loop treated them.
         cfg = self.settings
         a = cfg.alpha
         keep = 1.0 - a
         step_median = statistics.median(step_times) if step_times else None
         self.last_scored_step = step
+        self._version += 1
+        slots = np.fromiter(row, dtype=np.intp, count=len(row))
+        values = list(row.values())
+        times = None
+        if _REAL_OR_NONE.issuperset(map(type, itertools.chain.from_iterable(values))):
+            with contextlib.suppress(OverflowError):  # an int beyond float's range
+                times = np.array(values, dtype=float).reshape(len(values), _NP)  # None: NaN
+        if times is None:
+            times = np.array([[_as_time(v) for v in r] for r in values], dtype=float)
         for p in range(_NP):
-            times = {r: float(v[p]) for r, v in row.items() if _real(v[p]) and v[p] >= 0}
-            if len(times) < 2:
+            column = times[:, p]
+            ok = column >= 0  # NaN compares false
+            if np.count_nonzero(ok) < 2:
                 continue
-            values = sorted(times.values())
-            fastest, median = values[0], statistics.median(values)
-            base = step_median if step_median is not None else sum(values) / len(values)
-            floor = median + cfg.min_excess * base
-            cut = max(median * cfg.factor, floor)
-            for r, v in times.items():
-                s = self.ranks[r]
-                s.step = step
-                rel = fastest / v if v > 0 else 1.0
-                best = s.best[p]
-                best = v if best is None or v < best else best
-                s.best[p] = best
-                ind = best / v if v > 0 else 1.0
-                prev = s.relative[p]
-                s.relative[p] = rel if prev is None else a * rel + keep * prev
-                prev = s.individual[p]
-                s.individual[p] = ind if prev is None else a * ind + keep * prev
-                slow = v > cut
-                s.slow[p] = slow
-                s.ratio[p] = v / median if median > 0 else None
-                s.slowness[p] = a * slow + keep * s.slowness[p]
-                chronic = s.slowness[p] >= cfg.chronic_level
-                if chronic and s.chronic_since[p] is None:
-                    s.chronic_since[p] = step
-                    if p in _CAUSES:
-                        self._events.append(self._chronic_event(r, s, p, step))
-                elif not chronic and s.chronic_since[p] is not None:
-                    s.chronic_since[p] = None
+            v = column[ok]
+            idx = slots[ok]
+            fastest, median = float(v.min()), float(np.median(v))
+            base = step_median if step_median is not None else float(v.mean())
+            cut = max(median * cfg.factor, median + cfg.min_excess * base)
+            self._step[idx] = step
+            positive = v > 0
+            safe = np.where(positive, v, 1.0)
+            rel = np.where(positive, fastest / safe, 1.0)
+            best = np.fmin(self._best[idx, p], v)  # fmin: a NaN (no best yet) gives v
+            self._best[idx, p] = best
+            ind = np.where(positive, best / safe, 1.0)
+            prev = self._relative[idx, p]
+            self._relative[idx, p] = np.where(np.isnan(prev), rel, a * rel + keep * prev)
+            prev = self._individual[idx, p]
+            self._individual[idx, p] = np.where(np.isnan(prev), ind, a * ind + keep * prev)
+            slow = v > cut
+            self._slow[idx, p] = slow
+            self._ratio[idx, p] = v / median if median > 0 else np.nan
+            slowness = a * slow + keep * self._slowness[idx, p]
+            self._slowness[idx, p] = slowness
+            chronic = slowness >= cfg.chronic_level
+            since = self._since[idx, p]
+            became = chronic & (since < 0)
+            since = np.where(became, step, np.where(chronic, since, -1))
+            self._since[idx, p] = since
+            if p in _CAUSES and became.any():
+                for slot in idx[became].tolist():
+                    self._events.append(self._chronic_event(slot, p, step))
 
-    def _chronic_event(self, rank: int, s: _RankScores, p: int, step: int) -> dict[str, Any]:
-        ratio = s.ratio[p]
+    def _chronic_event(self, slot: int, p: int, step: int) -> dict[str, Any]:
+        ratio = _opt(self._ratio[slot, p])
         return {
-            "rank": rank,
-            "host": s.host,
+            "rank": self._rank_of[slot],
+            "host": self._hosts[slot],
             "kind": "straggler",
             "step": step,
             "detail": {
@@ -255,48 +335,88 @@ class StragglerScores:
         out, self._events = self._events, []
         return out
 
-    def row(self, rank: int) -> StragglerRow | None:
-        """The rank's straggler state, or None when it is not slow in any phase now
-        (neither chronic nor slow at its last scored step)."""
-        s = self.ranks.get(rank)
-        if s is None:
-            return None
-        chronic = [p for p in _CAUSES if s.chronic_since[p] is not None]
-        slow = [p for p in _CAUSES if s.slow[p]]
+    def _row_of(self, slot: int) -> StragglerRow | None:
+        since = self._since[slot]
+        chronic = [p for p in _CAUSES if since[p] >= 0]
+        slow = [p for p in _CAUSES if self._slow[slot, p]]
         pool = chronic or slow
         if not pool:
             return None
-        p = max(pool, key=lambda i: s.ratio[i] or 0.0)
-        since = s.chronic_since[p]
+        ratios = self._ratio[slot]
+        p = max(pool, key=lambda i: 0.0 if np.isnan(ratios[i]) else float(ratios[i]))
+        began = int(since[p])
         return StragglerRow(
-            rank=rank,
-            host=s.host,
+            rank=self._rank_of[slot],
+            host=self._hosts[slot],
             phase=PHASE_NAMES[p],
-            ratio=s.ratio[p],
-            chronic=since is not None,
-            chronic_steps=0 if since is None else s.step - since + 1,
-            slowness=s.slowness[p],
-            relative=s.relative[p],
-            individual=s.individual[p],
+            ratio=_opt(ratios[p]),
+            chronic=began >= 0,
+            chronic_steps=0 if began < 0 else int(self._step[slot]) - began + 1,
+            slowness=float(self._slowness[slot, p]),
+            relative=_opt(self._relative[slot, p]),
+            individual=_opt(self._individual[slot, p]),
         )
 
+    def row(self, rank: int) -> StragglerRow | None:
+        """The rank's straggler state, or None when it is not slow in any phase now
+        (neither chronic nor slow at its last scored step)."""
+        slot = self._slot.get(rank)
+        return None if slot is None else self._row_of(slot)
+
     def top(self, k: int) -> list[StragglerRow]:
-        """Up to k stragglers, chronic before one-off, then by slowness and ratio."""
-        rows = [row for r in self.ranks if (row := self.row(r)) is not None]
+        """Up to k stragglers, chronic before one-off, then by slowness and ratio.
+        Recomputed only after a step was scored (the app asks at every refresh)."""
+        if self._top is not None and self._top[:2] == (self._version, k):
+            return self._top[2]
+        n = len(self._rank_of)
+        causes = list(_CAUSES)
+        # Only ranks chronic or slow in a cause phase can be rows: found over the arrays.
+        flagged = (self._since[:n, causes] >= 0).any(axis=1) | self._slow[:n, causes].any(axis=1)
+        rows = [r for slot in np.nonzero(flagged)[0].tolist() if (r := self._row_of(slot))]
         rows.sort(key=lambda x: (not x.chronic, -x.slowness, -(x.ratio or 0.0), x.rank))
+        self._top = (self._version, k, rows[:k])
         return rows[:k]
 
     def heat(self, phase: str) -> dict[int, float | None]:
         """Per rank: the last scored time of `phase` / its median (the heat strip)."""
         p = PHASE_NAMES.index(phase)
-        return {r: s.ratio[p] for r, s in sorted(self.ranks.items())}
+        n = len(self._rank_of)
+        ratios = self._ratio[:n, p].tolist()
+        return {r: _opt(ratios[s]) for r, s in sorted(self._slot.items())}
 
     def scores(self, rank: int) -> dict[str, tuple[float | None, float | None]]:
         """Per phase: (relative, individual) EWMA scores of one rank (detail screens)."""
-        s = self.ranks.get(rank)
-        if s is None:
+        slot = self._slot.get(rank)
+        if slot is None:
             return {}
-        return {name: (s.relative[i], s.individual[i]) for i, name in enumerate(PHASE_NAMES)}
+        return {
+            name: (_opt(self._relative[slot, i]), _opt(self._individual[slot, i]))
+            for i, name in enumerate(PHASE_NAMES)
+        }
+
+
+_REAL_OR_NONE = frozenset({float, int, type(None)})
+
+
+def _state(capacity: int, fill: Any, dtype: Any) -> np.ndarray:
+    return np.full((capacity, _NP), fill, dtype=dtype)
+
+
+def _as_time(value: Any) -> float:
+    """A phase value as a float, NaN when it is not a real number (bool and str included)
+    or beyond float's range."""
+    if not _real(value):
+        return np.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return np.nan
+
+
+def _opt(value: Any) -> float | None:
+    """A state array's float as a Python float, None for NaN."""
+    f = float(value)
+    return None if f != f else f
 
 
 def _real(value: Any) -> bool:

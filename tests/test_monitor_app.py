@@ -300,6 +300,7 @@ WIRE_MODULES = (
     "relay",
     "coalesce",
     "discovery",
+    "columns",
 )
 
 

@@ -54,4 +54,10 @@ def test_cuda_records_carry_event_timed_phases_and_h2d(tmp_path: Path) -> None:
     for r in records:
         for name in ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "h2d_s"):
             assert isinstance(r[name], float) and r[name] >= 0.0, (name, r[name])
-        assert r["comm_wait_s"] is None  # one process: no collective through fsdpx.comm
+        # FSDP's waits, as CUDA event pairs at its wait points (fsdpx/comm/fsdp_events.py):
+        # a float even with one rank (the wait for the unshard, then its copy-out).
+        comm = r["comm_wait_s"]
+        assert (
+            isinstance(comm, float)
+            and 0.0 <= comm <= r["forward_s"] + r["backward_s"] + r["optimizer_s"]
+        )

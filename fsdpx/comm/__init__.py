@@ -6,7 +6,8 @@ on it (used by fsdpx.onebit_adam.OneBitAdam).
 FSDP2's own collectives go through `fsdpx.comm.fsdp_slot`, which fsdpx.zero installs into
 every FSDP module's all-gather / reduce-scatter slot: counted plain collectives, or ZeRO++'s
 quantized ones (qwZ, qgZ). FSDP's HSDP cross-replica all-reduce is issued by FSDP outside
-the slot and is not counted here.
+the slot: `fsdpx.comm.fsdp_all_reduce` counts it (and times its wait on CPU) from the slot's
+edges and FSDP's all-reduce hook; `fsdpx.comm.fsdp_events` times FSDP's waits on CUDA.
 """
 
 from fsdpx.comm.counted import (

@@ -27,7 +27,8 @@ output numel, ``b`` = block size, ``W`` = group size):
   ``(W - 1) * (qbytes(m) + 4 * ceil(m / b))``. Or ZeRO++'s two-level scheme
   (``zero.quantized_gradients_hierarchical``: fsdpx/comm/qgz_hier.py, its formats, bytes
   and bound). Under HSDP FSDP's cross-replica all-reduce of the reduced shard is not in
-  the slot and stays in the reduce dtype (a documented decision).
+  the slot (fsdpx counts and times it from the slot's edges: fsdpx/comm/fsdp_all_reduce.py)
+  and stays in the reduce dtype (a documented decision).
 
 Error bounds (``qmax`` = 127 for int8, 7 for int4; ``A_r`` = the absmax of the block of
 rank ``r``'s piece that holds element ``j``; from the per-block bound in
@@ -59,8 +60,10 @@ wait. The quantized slots are not timed as a whole: their one blocking collectiv
 and the quantize / dequantize around it is compute, not waiting; timing the slot call too
 would count the collective twice. On CUDA the collectives run on FSDP's own comm streams and
 the host never blocks in them: the exposed part is the time the compute stream stalls on
-FSDP's events, which these slots do not see, so they add nothing there (not built yet: a
-CUDA event at the compute stream's wait point, paired with one after the collective).
+FSDP's events, which these slots do not see; fsdpx/comm/fsdp_events.py times it with CUDA
+event pairs at FSDP's wait points ([Note: CUDA waits]). FSDP's HSDP / replicate all-reduce
+is outside the slot: fsdpx/comm/fsdp_all_reduce.py counts it and times its wait on CPU
+([Note: timing FSDP's all-reduce]).
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
-from fsdpx.comm import counted, qgz_hier
+from fsdpx.comm import counted, fsdp_all_reduce, fsdp_events, qgz_hier
+from fsdpx.comm.fsdp_all_reduce import AllReduceTimer
 from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 from fsdpx.ops.quant_int4 import dequantize_int4, packed_int4_bytes, quantize_int4
 from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
@@ -165,7 +169,18 @@ class CountedAllGather(DefaultAllGather):
 
 
 class CountedReduceScatter(DefaultReduceScatter):
-    """FSDP's default reduce-scatter, counted as ``reduce_scatter``."""
+    """FSDP's default reduce-scatter, counted as ``reduce_scatter``; under HSDP it marks
+    where FSDP's all-reduce begins (fsdpx/comm/fsdp_all_reduce.py)."""
+
+    timer: AllReduceTimer | None = None
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        out = super().allocate(size, dtype=dtype, device=device)
+        if self.timer is not None:
+            self.timer.mark()  # [Note: timing FSDP's all-reduce]
+        return out
 
     def __call__(
         self,
@@ -185,6 +200,8 @@ class CountedReduceScatter(DefaultReduceScatter):
             ),
         )
         counted.comm_log().done()
+        if self.timer is not None:
+            self.timer.mark()
         return work
 
 
@@ -266,6 +283,16 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
     block_size: int
     node_size: int = 0
     """> 0: ZeRO++'s two-level scheme with this many ranks per node (fsdpx/comm/qgz_hier.py)."""
+    timer: AllReduceTimer | None = None
+    """Under HSDP: marks where FSDP's all-reduce begins (fsdpx/comm/fsdp_all_reduce.py)."""
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        out = super().allocate(size, dtype=dtype, device=device)
+        if self.timer is not None:
+            self.timer.mark()
+        return out
 
     def qbytes(self, m: int) -> int:
         return m if self.bits == 8 else packed_int4_bytes(m)
@@ -303,17 +330,19 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
         avg = _as_sum_or_avg(op)
         if self.node_size:
             qgz_hier.reduce_two_level(self, output_tensor, input_tensor, group, avg)
-            return
-        w, m = group.size(), output_tensor.numel()
-        send = self.payloads(input_tensor, w)
-        recv = torch.empty_like(send)
-        counted.all_to_all_single(recv.view(-1), send.view(-1), group=group)
-        acc = torch.zeros(m, dtype=torch.float32, device=output_tensor.device)
-        for r in range(w):
-            acc += self.dequantize_row(recv[r], m)
-        if avg:
-            acc /= w
-        output_tensor.copy_(acc)
+        else:
+            w, m = group.size(), output_tensor.numel()
+            send = self.payloads(input_tensor, w)
+            recv = torch.empty_like(send)
+            counted.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+            acc = torch.zeros(m, dtype=torch.float32, device=output_tensor.device)
+            for r in range(w):
+                acc += self.dequantize_row(recv[r], m)
+            if avg:
+                acc /= w
+            output_tensor.copy_(acc)
+        if self.timer is not None:
+            self.timer.mark()
 
 
 def install(
@@ -338,3 +367,13 @@ def install(
     )
     module.set_custom_all_gather(ag)
     module.set_custom_reduce_scatter(rs)
+    # HSDP / replicate: FSDP's own all-reduce, counted and timed ([Note: timing FSDP's
+    # all-reduce] in fsdpx/comm/fsdp_all_reduce.py).
+    timer = fsdp_all_reduce.attach(module)
+    if timer is not None:
+        assert isinstance(rs, CountedReduceScatter | QuantizedReduceScatter)
+        rs.timer = timer
+    if not quantized_weights and not quantized_gradients:
+        # CUDA: the compute stream's stalls on FSDP's collectives, as CUDA event pairs
+        # ([Note: CUDA waits] in fsdpx/comm/fsdp_events.py; nothing without CUDA).
+        fsdp_events.attach(module)

@@ -7,13 +7,16 @@
     history     the relay's bounded per-rank history for late monitors
     logfile     the zstd replay log (writer and `iter_log`)
     relay       the per-node relay (`python -m fsdpx.telemetry.relay`)
+    coalesce    `batch` frames for monitors that ask (hello `batch_s`)
+    columns     records as columns in those batches (protocol 1.1, hello `columns`)
 
 [Note: the wire package is torch-free]
 The monitor (monitor/) and the relay run where torch may not be installed (a laptop, a
 login node), so this package and the package files above it (`fsdpx/__init__.py`,
 `fsdpx/telemetry/__init__.py`, both of which import nothing eagerly) use only the
 standard library, msgpack and zstandard; tests/test_monitor_app.py checks that
-importing it, the monitor and the relay's command line never loads torch. The
+importing it, the monitor and the relay's command line never loads torch (the monitor
+itself also uses numpy, a dependency of fsdpx, for its straggler scores). The
 training side (publisher, probes, FLOP counting, start-up) lives one level up in
 fsdpx/telemetry/ and imports from here, never the other way round.
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgpack
 
+from fsdpx.telemetry.wire.columns import to_columns
 from fsdpx.telemetry.wire.protocol import MAX_FRAME_BYTES, TAG_BYTES
 
 BATCH_S_MIN = 0.01
@@ -37,13 +38,19 @@ BUDGET_BYTES = MAX_FRAME_BYTES - TAG_BYTES - 1024
 """Incoming body bytes one batch frame may take in; a larger frame goes out as it came."""
 
 
-def encode_batches(records: list[Any], events: list[Any]) -> list[bytes]:
+def encode_batches(records: list[Any], events: list[Any], *, columns: bool = False) -> list[bytes]:
     """Bodies of `batch` messages carrying these items in order, each small enough for a
     tagged frame (halved until it is; a single item always fits: see the module note).
-    Empty lists are left out of the message (readers take a missing list as empty)."""
+    Empty lists are left out of the message (readers take a missing list as empty).
+    `columns`: records with equal keys go as `record_columns` (protocol 1.1,
+    fsdpx/telemetry/wire/columns.py [Note: columnar batches])."""
     message: dict[str, Any] = {"type": "batch"}
     if records:
-        message["records"] = records
+        block = to_columns(records) if columns else None
+        if block is None:
+            message["records"] = records
+        else:
+            message["record_columns"] = block
     if events:
         message["events"] = events
     body: bytes = msgpack.packb(message, use_bin_type=True)
@@ -51,9 +58,11 @@ def encode_batches(records: list[Any], events: list[Any]) -> list[bytes]:
         return [body]
     if len(records) > 1:
         half = len(records) // 2
-        return encode_batches(records[:half], []) + encode_batches(records[half:], events)
+        return encode_batches(records[:half], [], columns=columns) + encode_batches(
+            records[half:], events, columns=columns
+        )
     if records:  # one record and some events
-        return encode_batches(records, []) + encode_batches([], events)
+        return encode_batches(records, [], columns=columns) + encode_batches([], events)
     half = len(events) // 2
     return encode_batches([], events[:half]) + encode_batches([], events[half:])
 
@@ -71,6 +80,8 @@ class Coalescer:
     """
 
     interval_s: float
+    columns: bool = False
+    """Send records as `record_columns` where they have equal keys (hello `columns`)."""
     records: list[Any] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)
     pending_bytes: int = 0
@@ -100,7 +111,7 @@ class Coalescer:
         if not self.records and not self.events:
             self.due = None
             return []
-        out = encode_batches(self.records, self.events)
+        out = encode_batches(self.records, self.events, columns=self.columns)
         self.records, self.events = [], []
         self.pending_bytes, self.due = 0, None
         return out

@@ -39,6 +39,10 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change; a relay refuses a hello with another version."""
+PROTOCOL_MINOR = 1
+"""Backward-compatible additions (monitor/PROTOCOL.md "Versions"): 1 = columnar batches
+(fsdpx/telemetry/wire/columns.py). Sent in the relay's welcome (`minor`) for information;
+nothing is refused on it, and a welcome without it is from a 1.0 relay."""
 MAX_FRAME_BYTES = 1 << 20
 """Largest frame body (tag included). Senders split batches to stay under it."""
 HEADER = struct.Struct(">I")

@@ -50,6 +50,7 @@ from fsdpx.telemetry.wire.logfile import LogWriter, open_log_writer
 from fsdpx.telemetry.wire.metrics_http import DEFAULT_TOKEN_ENV, MetricsServer
 from fsdpx.telemetry.wire.protocol import (
     HEADER,
+    PROTOCOL_MINOR,
     FrameAuth,
     FrameDecoder,
     ProtocolError,
@@ -393,7 +394,9 @@ class Relay:
             if conn.role != "monitor":
                 self._sources += 1
             conn.identity = {k: message.get(k) for k in ("role", "rank", "host", "pid", "run_id")}
-            welcome = make_welcome(auth, host=socket.gethostname(), pid=os.getpid())
+            welcome = make_welcome(
+                auth, host=socket.gethostname(), pid=os.getpid(), minor=PROTOCOL_MINOR
+            )
             self._queue(conn, encode_frame(welcome)[HEADER.size :], keep=True)
             conn.auth = conn.decoder.auth = auth  # later frames, both ways, are tagged
             if self._log is not None:
@@ -403,7 +406,9 @@ class Relay:
             if conn.role == "monitor":
                 self._monitors[conn.sock.fileno()] = conn
                 if message.get("batch_s") is not None:  # checked by check_hello
-                    conn.coalesce = Coalescer(float(message["batch_s"]))
+                    # `columns` (protocol 1.1): records as columns where their keys agree.
+                    columns = message.get("columns") is True
+                    conn.coalesce = Coalescer(float(message["batch_s"]), columns=columns)
                 for body in self.history.frames():
                     self._queue(conn, body, keep=True)
             return

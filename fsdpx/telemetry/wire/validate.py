@@ -44,6 +44,7 @@ _HELLO_FIELDS: tuple[tuple[str, str, Callable[[Any], bool], tuple[str, ...]], ..
         lambda v: type(v) in (int, float) and BATCH_S_MIN <= v <= BATCH_S_MAX,
         (),
     ),
+    ("columns", "a bool", lambda v: type(v) is bool, ()),
 )
 _DATA_LISTS = {"records": ("records",), "events": ("events",), "history": ("records", "events")}
 
