@@ -78,7 +78,8 @@ print(json.dumps({"s": took, "cpu": used, "rss": after - before}))
 
 
 def _run(python: str, code: str, *args: str) -> dict[str, float]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": path}
     proc = subprocess.run(
         [python, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
     )

@@ -16,14 +16,13 @@ step() {  # name, timeout, command...
     timeout "$limit" "$@" 2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*" | tee "$out/$name.log"
     echo "$name rc=${PIPESTATUS[0]}" | tee -a "$out/benchmarks.txt"
 }
-run1() { python3 -m torch.distributed.run --standalone --nproc_per_node=1 "$@"; }
-step moe_grouped 60 python3 benchmarks/moe_grouped.py --device cuda --repeat 30
-step moe_grouped_mixtral 90 python3 benchmarks/moe_grouped.py --device cuda \
+step moe_grouped ${MOE_TIMEOUT:-60} python3 benchmarks/moe_grouped.py --device cuda --repeat 30
+step moe_grouped_mixtral ${MOE_TIMEOUT:-90} python3 benchmarks/moe_grouped.py --device cuda \
     --hidden 4096 --ffn 14336 --tokens 8192 --repeat 10
-step long_context 150 run1 benchmarks/long_context.py --device cuda --dim 1024 \
+step long_context ${LONG_TIMEOUT:-150} python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/long_context.py --device cuda --dim 1024 \
     --autocast bf16 --mlp-tile 4096 --seq 4096 --budget-mib 4096 \
     --sweep 8192 16384 32768 65536 131072 --steps 3
 # One GPU: no bytes move (ratios print as NaN); the step time shows what the quantize /
 # dequantize kernels cost next to plain ZeRO-3.
-step zeropp 150 run1 benchmarks/zeropp.py --device cuda --steps 50 --val-batches 4 \
+step zeropp ${ZEROPP_TIMEOUT:-150} python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/zeropp.py --device cuda --steps 50 --val-batches 4 \
     --cases zero3,qwz,qwz_qgz

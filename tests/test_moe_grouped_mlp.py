@@ -106,7 +106,12 @@ def test_grouped_benchmark_refuses_cuda_without_a_gpu() -> None:
 
 @pytest.mark.gpu
 def test_fused_and_grouped_mm_on_cuda_equal_the_loop() -> None:
-    """bf16 on a GPU: the fused node and torch._grouped_mm against the sorted loop."""
+    """bf16 on a GPU: the fused node and torch._grouped_mm against the sorted loop.
+
+    The fused node runs the loop's kernels (torch's defaults). torch._grouped_mm rounds
+    each matmul to bf16 before the bias is added (the loop's addmm rounds once), so its
+    outputs differ by a few bf16 ulps: measured on an H100 (torch 2.11) at most 0.0059 on
+    outputs up to 0.91, 1.5 ulps at the top binade. Bound: 4 ulps of the largest output."""
     torch.manual_seed(0)
     # 16 / 32 features: torch._grouped_mm on CUDA wants 16-byte-aligned rows.
     template = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
@@ -117,7 +122,18 @@ def test_fused_and_grouped_mm_on_cuda_equal_the_loop() -> None:
     for mode in ("fused", "grouped_mm"):
         other = copy.deepcopy(loop)
         other.grouped = mode  # type: ignore[assignment]
-        torch.testing.assert_close(other(x, counts), ref, msg=mode)
+        got = other(x, counts)
+        if mode == "fused":
+            torch.testing.assert_close(got, ref, msg=mode)
+            continue
+        diff = (got.float() - ref.float()).abs()
+        rows = torch.tensor([0, *counts]).cumsum(0).tolist()
+        per_expert = [
+            float(diff[a:b].max()) if b > a else 0.0
+            for a, b in zip(rows[:-1], rows[1:], strict=True)
+        ]
+        bound = 2**-6 * float(ref.abs().max())
+        assert max(per_expert) <= bound, (mode, per_expert, bound)
 
 
 @pytest.mark.gpu

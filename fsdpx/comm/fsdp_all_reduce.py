@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from fsdpx.comm import counted
+from fsdpx.comm.fsdp_groups import param_groups
 from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
 
 _CLOCK = phase_clock()
@@ -81,7 +82,7 @@ def attach(module: FSDPModule) -> AllReduceTimer | None:
     time, or several parameter groups, where FSDP takes no all-reduce hook)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    groups = param_groups(module._get_fsdp_state())
     if len(groups) != 1 or not isinstance(groups[0].mesh_info, DDPMeshInfo):
         return None
     timer = AllReduceTimer(groups[0].mesh_info.replicate_process_group)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from fsdpx.comm.fsdp_groups import param_groups
 from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
 
 _CLOCK = phase_clock()
@@ -67,7 +68,7 @@ def attach(module: FSDPModule) -> int:
     waits]); returns how many groups were wrapped (0 without CUDA). Idempotent."""
     if not torch.cuda.is_available():
         return 0
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    groups = param_groups(module._get_fsdp_state())
     for group in groups:
         for name in WAIT_METHODS:
             method = getattr(group, name)

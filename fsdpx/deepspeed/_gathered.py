@@ -73,6 +73,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdpx.checkpoint.external import ExternalState, external_state_owner
+from fsdpx.comm.fsdp_groups import param_groups
 
 # id(sharded Parameter) and id(full Parameter) of every parameter gathered right now.
 _ACTIVE: set[int] = set()
@@ -96,7 +97,7 @@ def _fsdp_index() -> dict[int, tuple[FSDPParam, FSDPParamGroup]]:
         if not isinstance(state, FSDPState) or id(state) in seen:
             continue
         seen.add(id(state))
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             for fp in group.fsdp_params:
                 index[id(fp.sharded_param)] = (fp, group)
                 for attr in ("_unsharded_param", "_sharded_post_forward_param"):
