@@ -584,7 +584,6 @@ class Relay:
         fd = conn.sock.fileno()
         if fd < 0:
             return
-        self._conns.pop(fd, None)
         self._monitors.pop(fd, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
@@ -604,6 +603,10 @@ class Relay:
             self.history.add_events([event])
             message = {"type": "events", "events": [event]}
             self._forward(encode_frame(message)[HEADER.size :], message)
+        # Last: a connection leaves `_conns` only once its "disconnected" event is logged
+        # and forwarded, so whoever sees it gone (a stop() after the last peer left, a
+        # test waiting for that state) never races the event.
+        self._conns.pop(fd, None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
