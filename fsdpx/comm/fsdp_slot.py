@@ -168,19 +168,28 @@ class CountedAllGather(DefaultAllGather):
         return work
 
 
-class CountedReduceScatter(DefaultReduceScatter):
-    """FSDP's default reduce-scatter, counted as ``reduce_scatter``; under HSDP it marks
-    where FSDP's all-reduce begins (fsdpx/comm/fsdp_all_reduce.py)."""
+class _MarksAllReduce:
+    """A reduce-scatter slot that, under HSDP, marks where FSDP's all-reduce begins
+    (fsdpx/comm/fsdp_all_reduce.py, [Note: timing FSDP's all-reduce]): when FSDP allocates
+    the output and again when the reduce-scatter is issued."""
 
     timer: AllReduceTimer | None = None
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> Tensor:
-        out = super().allocate(size, dtype=dtype, device=device)
-        if self.timer is not None:
-            self.timer.mark()  # [Note: timing FSDP's all-reduce]
+        out: Tensor = super().allocate(size, dtype=dtype, device=device)  # type: ignore[misc]
+        self._mark_all_reduce()
         return out
+
+    def _mark_all_reduce(self) -> None:
+        if self.timer is not None:
+            self.timer.mark()
+
+
+class CountedReduceScatter(_MarksAllReduce, DefaultReduceScatter):
+    """FSDP's default reduce-scatter, counted as ``reduce_scatter``; under HSDP it marks
+    where FSDP's all-reduce begins (fsdpx/comm/fsdp_all_reduce.py)."""
 
     def __call__(
         self,
@@ -200,8 +209,7 @@ class CountedReduceScatter(DefaultReduceScatter):
             ),
         )
         counted.comm_log().done()
-        if self.timer is not None:
-            self.timer.mark()
+        self._mark_all_reduce()
         return work
 
 
@@ -276,7 +284,7 @@ def _as_sum_or_avg(op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> bool:
 
 
 @dataclass
-class QuantizedReduceScatter(_Alloc, ReduceScatter):
+class QuantizedReduceScatter(_MarksAllReduce, _Alloc, ReduceScatter):
     """qgZ: FSDP's reduce-scatter as a quantized all-to-all with fp32 accumulation."""
 
     bits: Literal[8, 4]
@@ -285,14 +293,6 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
     """> 0: ZeRO++'s two-level scheme with this many ranks per node (fsdpx/comm/qgz_hier.py)."""
     timer: AllReduceTimer | None = None
     """Under HSDP: marks where FSDP's all-reduce begins (fsdpx/comm/fsdp_all_reduce.py)."""
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> Tensor:
-        out = super().allocate(size, dtype=dtype, device=device)
-        if self.timer is not None:
-            self.timer.mark()
-        return out
 
     def qbytes(self, m: int) -> int:
         return m if self.bits == 8 else packed_int4_bytes(m)
@@ -341,8 +341,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
             if avg:
                 acc /= w
             output_tensor.copy_(acc)
-        if self.timer is not None:
-            self.timer.mark()
+        self._mark_all_reduce()
 
 
 def install(
