@@ -127,6 +127,24 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def report_one(name: str, run: dict[str, Any], args: argparse.Namespace) -> None:
+    """Prints one side's result (``--only``): its validation loss and bytes per step."""
+    if dist.get_rank() != 0:
+        return
+    after = run["bytes_per_step"][args.freeze_step :]
+    result = {
+        "optimizer": name,
+        "steps": args.steps,
+        "freeze_step": args.freeze_step,
+        "var_update_scaler": args.var_update_scaler,
+        "val_loss": run["val_loss"],
+        "max_bytes_per_step_after_freeze": max(after),
+        "seconds": run["seconds"],
+    }
+    print(f"{name} final validation loss {run['val_loss']:.4f}")
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -163,6 +181,13 @@ def main() -> None:
         help="the compressed optimizer's lr (default --lr); Lamb's trust ratio scales each "
         "step to the weights' norm, so Adam's lr is not Lamb's",
     )
+    ap.add_argument(
+        "--only",
+        choices=["adam", "compressed"],
+        default=None,
+        help="train only one side and print its validation loss (JSON), so the two sides can "
+        "run at once on separate cores; the ratio is then taken by hand",
+    )
     args = ap.parse_args()
     if args.freeze_step > args.steps // 5:
         raise SystemExit(
@@ -172,7 +197,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     common = dict(steps=args.steps, batch=args.batch, lr=args.lr, val_batches=args.val_batches)
-    adam = train({"type": "adamw", "weight_decay": 0.0}, **common)  # type: ignore[arg-type]
+    if args.only == "adam":
+        adam = train({"type": "adamw", "weight_decay": 0.0}, **common)  # type: ignore[arg-type]
+        report_one("adamw", adam, args)
+        dist.destroy_process_group()
+        return
+    if args.only is None:
+        adam = train({"type": "adamw", "weight_decay": 0.0}, **common)  # type: ignore[arg-type]
     opt_cfg: dict[str, Any] = {"type": "onebit_adam", "freeze_step": args.freeze_step}
     if args.optimizer == "zero_one_adam":
         opt_cfg = {
@@ -187,6 +218,10 @@ def main() -> None:
     if args.onebit_lr is not None:
         common["lr"] = args.onebit_lr
     onebit = train(opt_cfg, **common)  # type: ignore[arg-type]
+    if args.only == "compressed":
+        report_one(args.optimizer, onebit, args)
+        dist.destroy_process_group()
+        return
     if dist.get_rank() == 0:
         warm = onebit["bytes_per_step"][: args.freeze_step]
         after = onebit["bytes_per_step"][args.freeze_step :]

@@ -31,6 +31,7 @@ echo "pytest -m gpu rc=${PIPESTATUS[0]}" | tee -a "$out/device.txt"
 
 if python3 -c 'import deepspeed' 2>/dev/null; then
     for opt in ${GPU_VS_DS_OPTIMIZERS:-torch}; do
+        [ "$opt" = none ] && continue  # GPU_VS_DS_OPTIMIZERS=none: tests only
         # DeepSpeed's JIT op builder cannot parse the image's "9.0a" arch entry.
         TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda timeout "${GPU_VS_DS_TIMEOUT:-150}" python3 benchmarks/vs_deepspeed.py \
             --stages 1 2 3 --steps 15 --warmup 3 --optimizer "$opt" \
