@@ -104,6 +104,8 @@ async def test_sort_keys_and_reverse() -> None:
         await pilot.pause()
         assert table_lines(app)[0].split()[0] == "5"
         assert "mem%↓" in screen_lines(app)[5]
+        table.set_sort("rank", descending=True)  # (by rank: one sort, then reversed)
+        assert table.order == sorted(app.snapshot.rows, reverse=True)
 
 
 @sync
