@@ -317,7 +317,8 @@ def child_main(table: str, address: str, stats_path: str) -> None:
         def on_mount(self) -> None:
             self.table.display = False
             self.grid.add_columns("rank", "state", "step", "step_s", "loss", "resv", "mem%", "age")
-            super().on_mount()
+            # MonitorApp.on_mount runs next on its own: Textual calls each class's handler
+            # (calling it here too connected twice and started two refresh timers).
 
         def refresh_view(self) -> None:
             t = time.thread_time()
