@@ -22,6 +22,8 @@ Run (about 4 minutes):
     python benchmarks/monitor_cpu.py --ranks 1024 --seconds 10 --tables line
     python benchmarks/monitor_cpu.py --tables line --frames as-sent coalesced --repeat 2
     python benchmarks/monitor_cpu.py --receive-only --ranks 4096 --repeat 3
+    python benchmarks/monitor_cpu.py --tui-virtual --ranks 4096 --seconds 8 --repeat 3
+    MONITOR_BENCH_CODE=/path/to/other/checkout python benchmarks/monitor_cpu.py --tui-virtual
 
 Output: one line per (table, frames, ranks) with CPU % of one core and records/s
 received, then the DataTable / line ratio per rank count, and the as-sent / coalesced
@@ -50,7 +52,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# MONITOR_BENCH_CODE=/path/to/another/checkout: measure that checkout's monitor with this
+# script (before/after comparisons, interleaved, on the same machine and interpreter).
+sys.path.insert(0, os.environ.get("MONITOR_BENCH_CODE") or str(ROOT))
 
 from fsdpx.telemetry.wire.coalesce import encode_batches  # noqa: E402
 from fsdpx.telemetry.wire.protocol import (  # noqa: E402
@@ -62,6 +66,8 @@ from fsdpx.telemetry.wire.protocol import (  # noqa: E402
 from monitor.synthetic import SyntheticRun  # noqa: E402
 
 TICK_S = 0.05
+WARMUP_INTERVALS = 2
+"""--tui-virtual: refresh intervals not measured (the first ranks' arrival: one-off costs)."""
 
 
 # --- the relay side (this process) ------------------------------------------------------
@@ -279,7 +285,14 @@ def child_main(table: str, address: str, stats_path: str) -> None:
         cpu_batches = 0.0
         cpu_refresh = 0.0
 
+        profiler: Any = None
+        batches = 0
+
         def on_telemetry_batch(self, message: TelemetryBatch) -> None:
+            self.batches += 1
+            if self.profiler is not None and self.batches == 10:
+                # Steady state only: start-up (imports, CSS, first layout) is not profiled.
+                self.profiler.enable()
             t = time.thread_time()
             self.records += len(message.records) + sum(b.n for b in message.columns)
             super().on_telemetry_batch(message)
@@ -304,7 +317,8 @@ def child_main(table: str, address: str, stats_path: str) -> None:
         def on_mount(self) -> None:
             self.table.display = False
             self.grid.add_columns("rank", "state", "step", "step_s", "loss", "resv", "mem%", "age")
-            super().on_mount()
+            # MonitorApp.on_mount runs next on its own: Textual calls each class's handler
+            # (calling it here too connected twice and started two refresh timers).
 
         def refresh_view(self) -> None:
             t = time.thread_time()
@@ -338,11 +352,17 @@ def child_main(table: str, address: str, stats_path: str) -> None:
 
     cls = DataTableApp if table == "datatable" else CountingApp
     app = cls(sources=[address])
-    profile = os.environ.get("MONITOR_BENCH_PROFILE")  # a path: write a cProfile there
+    # A path: write a cProfile of the main thread there, from the 10th batch on.
+    profile = os.environ.get("MONITOR_BENCH_PROFILE")
     if profile:
         import cProfile
 
-        cProfile.runctx("run_app(app)", globals(), {"app": app, "run_app": run_app}, profile)
+        # CPU time of the main thread (the app's event loop: receiving, ingest, snapshots
+        # and Textual's rendering), not wall time: a loaded machine's waits are not cost.
+        app.profiler = cProfile.Profile(time.thread_time)
+        run_app(app)
+        app.profiler.disable()
+        app.profiler.dump_stats(profile)
     else:
         run_app(app)  # as `fsdpx-monitor` runs it
     stats = {"records": app.records, "cpu_batches": app.cpu_batches, "cpu_refresh": app.cpu_refresh}
@@ -451,6 +471,113 @@ def receive_path(n_ranks: int, rate_hz: float, batch_s: float, seconds: float) -
         )
 
 
+def _columnar_intervals(
+    n_ranks: int, rate_hz: float, batch_s: float, seconds: float, refresh_s: float
+) -> list[bytes]:
+    """The framed `batch` bodies a 1.1 relay sends a monitor refreshing every `refresh_s`:
+    one item per refresh interval (its frames joined), `rate_hz` records per rank per
+    second, each rank's records made every `batch_s` (the publisher's poll interval)."""
+    run = SyntheticRun(n_ranks=n_ranks, seed=0, straggler=1, memory_hog=2, phases=True)
+    templates = [run.record(rank, 1) for rank in range(n_ranks)]
+    polls = int(seconds / batch_s)
+    per_poll = [int((i + 1) * rate_hz * batch_s) - int(i * rate_hz * batch_s) for i in range(polls)]
+    first_step = [sum(per_poll[:i]) + 1 for i in range(polls)]
+    per_refresh = max(1, round(refresh_s / batch_s))
+    out = []
+    for start in range(0, polls, per_refresh):
+        pending = []
+        for i in range(start, min(polls, start + per_refresh)):
+            for rank in range(n_ranks):
+                for k in range(per_poll[i]):
+                    rec = dict(templates[rank])
+                    rec["step"] = first_step[i] + k
+                    rec["time"] = 1000.0 + i * batch_s
+                    rec["loss"] = 2.0 + 2.0 / (1.0 + 0.01 * rec["step"])
+                    pending.append(rec)
+        bodies = encode_batches(pending, [], columns=True)
+        out.append(b"".join(HEADER.pack(len(b)) + b for b in bodies))
+    return out
+
+
+def tui_virtual(
+    n_ranks: int,
+    rate_hz: float,
+    batch_s: float,
+    seconds: float,
+    size: tuple[int, int],
+    refresh_hz: float | None = None,
+) -> None:
+    """--tui-virtual: the whole app on Textual's headless driver, in virtual time. Per
+    refresh interval (0.5 s of traffic, columnar batches as a 1.1 relay sends them): decode
+    the frames, hand the batch to the app as the receiver does, take the refresh
+    (`refresh_view`: snapshot, table, summary, curves) and let Textual lay out and render
+    the frame; the first `WARMUP_INTERVALS` are not measured. CPU time (process_time) of
+    that work per second of traffic: not wall time,
+    so a loaded machine inflates it far less than the live runs (whose 2 Hz timer also
+    skips refreshes under load). Not included: writing the frame to a terminal (headless)
+    and the event loop's idle polling."""
+    import asyncio
+
+    from textual.events import Mount
+
+    from fsdpx.telemetry.wire.columns import RecordColumns
+    from monitor.app import MonitorApp
+    from monitor.messages import TelemetryBatch
+
+    refresh_s = 0.5
+    intervals = _columnar_intervals(n_ranks, rate_hz, batch_s, seconds, refresh_s)
+    clock = [1000.0]
+
+    class VirtualApp(MonitorApp):
+        def on_mount(self, event: Mount) -> None:  # type: ignore[override]
+            # Not MonitorApp's (Textual calls every class's handler unless told not to):
+            # no relay connection and no refresh timer, the loop below drives the app.
+            event.prevent_default()
+            self.table.focus()
+            self._fit_to_height(self.size.height)
+
+    kwargs: dict[str, Any] = {} if refresh_hz is None else {"refresh_hz": refresh_hz}
+    app = VirtualApp(sources=["/nonexistent/relay.sock"], clock=lambda: clock[0], **kwargs)
+    cpu = [0.0]
+    records = [0]
+    refreshes = [0]
+
+    async def drive() -> None:
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause()
+            # The timer's callback (a checkout from before it existed: the redraw itself).
+            tick = getattr(app, "refresh_tick", app.refresh_view)
+            for k, data in enumerate(intervals):
+                clock[0] = 1000.0 + (k + 1) * refresh_s
+                t0 = time.process_time()
+                decoder = FrameDecoder()
+                blocks = []
+                for message in decoder.feed(data):
+                    block = RecordColumns.read(message.get("record_columns"))
+                    assert block is not None
+                    blocks.append(block)
+                app.on_telemetry_batch(
+                    TelemetryBatch(source="bench", columns=blocks, received_at=clock[0])
+                )
+                tick()  # what the app's refresh timer does every refresh_s
+                await pilot.pause(0.05)  # (Textual's screen update timer renders the frame)
+                refreshes[0] += 1
+                if k >= WARMUP_INTERVALS:
+                    cpu[0] += time.process_time() - t0
+                    records[0] += sum(b.n for b in blocks)
+
+    asyncio.run(drive())
+    assert refreshes[0] == len(intervals)
+    traffic_s = (len(intervals) - WARMUP_INTERVALS) * refresh_s
+    code = os.environ.get("MONITOR_BENCH_CODE") or str(ROOT)
+    print(
+        f"whole TUI, virtual time  ranks={n_ranks:5d}  {records[0]:8d} records for "
+        f"{traffic_s:.0f} s of traffic: {100 * cpu[0] / traffic_s:5.2f}% of one core "
+        f"(refresh_hz {refresh_hz or 'auto'}, code {code}, load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
@@ -475,17 +602,34 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=1, help="rounds (interleaved)")
     parser.add_argument(
+        "--tui-virtual",
+        action="store_true",
+        help="the whole app headless in virtual time (no terminal, no relay process)",
+    )
+    parser.add_argument(
+        "--refresh-hz",
+        type=float,
+        default=None,
+        help="--tui-virtual: the app's refresh_hz (default: its automatic rate); the "
+        "virtual clock still ticks every 0.5 s",
+    )
+    parser.add_argument(
         "--receive-only",
         action="store_true",
         help="measure the receive path alone (no terminal): as-sent vs coalesced",
     )
     args = parser.parse_args()
+    cols, rows = (int(v) for v in args.size.split("x"))
+    if args.tui_virtual:
+        for _ in range(args.repeat):
+            for n in args.ranks:
+                tui_virtual(n, args.rate, args.batch, args.seconds, (cols, rows), args.refresh_hz)
+        return
     if args.receive_only:
         for _ in range(args.repeat):
             for n in args.ranks:
                 receive_path(n, args.rate, args.batch, args.seconds)
         return
-    cols, rows = (int(v) for v in args.size.split("x"))
     results = []
     for _ in range(args.repeat):
         for n in args.ranks:

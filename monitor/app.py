@@ -5,6 +5,19 @@ Data flow: workers (RelayClient per relay, or the log loader) post messages
 a `Snapshot` a few times a second and hands it to the widgets, which draw only what is on
 screen. Nothing is drawn per record (see monitor/model.py [Note: cost per record]).
 
+[Note: refresh rate at scale]
+Records are ingested as they arrive (cheap per record, monitor/model.py [Note: cost per
+record]); the screen is redrawn from the latest state by a timer, never per batch. A
+redraw costs O(ranks) in Python (the snapshot: every rank's status, flags and summary;
+then sorting the table) plus Textual's frame: at 4,096 ranks about half of the monitor's
+CPU at 2 Hz (benchmarks/monitor_cpu.py --tui-virtual). So the automatic rate (no
+`refresh_hz` given; the CLI's default) is 2 Hz up to `LARGE_RUN_RANKS` ranks in the shown
+run and 1 Hz above: a table of thousands of ranks read by a person loses nothing at 1 Hz,
+and the goal (< 25% of a core at 4,096 ranks) is met with room. An explicit `refresh_hz`
+(`--refresh-hz`) is honoured at any size. Keys (sorting, filtering, seeking) still
+redraw at once, and the relay still sends a batch every 0.5 s (ingest cost is per
+record, not per batch).
+
 Runs are kept apart (monitor/runs.py): each has its own model, the screen shows one
 (the newest unless the user picked another with `p` / `n`), and the summary bar names it
 when there is anything to tell apart (a run id, or more than one run).
@@ -42,6 +55,10 @@ from monitor.widgets.rank_table import RankTable
 from monitor.widgets.summary import SummaryBar
 
 REPLAY_TICK_S = 0.1
+DEFAULT_REFRESH_HZ = 2.0
+LARGE_RUN_RANKS = 1000
+"""Under the automatic refresh rate, a shown run of more ranks than this is redrawn at
+half `DEFAULT_REFRESH_HZ` ([Note: refresh rate at scale])."""
 
 
 class MonitorApp(App[None]):
@@ -53,7 +70,8 @@ class MonitorApp(App[None]):
         replay_messages: already-loaded log messages to replay (tests, `fsdpx demo`).
         settings: stale/dead thresholds and outlier rules.
         secret: the relays' shared secret, or None.
-        refresh_hz: screen refreshes per second.
+        refresh_hz: screen refreshes per second; None: automatic, 2, or 1 for a run of
+            more than `LARGE_RUN_RANKS` ranks ([Note: refresh rate at scale]).
         clock: the live monitor's clock (tests pass a fake one).
         speed: initial replay speed; paused: start the replay paused.
 
@@ -95,7 +113,7 @@ class MonitorApp(App[None]):
         replay_messages: list[dict[str, Any]] | None = None,
         settings: MonitorSettings | None = None,
         secret: bytes | None = None,
-        refresh_hz: float = 2.0,
+        refresh_hz: float | None = None,
         clock: Callable[[], float] = time.time,
         speed: float = 1.0,
         paused: bool = False,
@@ -108,7 +126,7 @@ class MonitorApp(App[None]):
             )
         for address in sources:
             parse_address(address)  # a ValueError naming the bad address, before any I/O
-        if refresh_hz <= 0:
+        if refresh_hz is not None and refresh_hz <= 0:
             raise ValueError(f"refresh_hz must be > 0; got {refresh_hz}")
         self.runs = RunBook(settings or MonitorSettings())
         self.pinned_run: str | None = None
@@ -117,7 +135,11 @@ class MonitorApp(App[None]):
         self.sources = list(sources)
         self.replay_path = None if replay is None else Path(replay)
         self.secret = secret
-        self.refresh_hz = refresh_hz
+        self.adaptive_refresh = refresh_hz is None
+        """Halve the rate for a large run ([Note: refresh rate at scale])."""
+        self.refresh_hz = DEFAULT_REFRESH_HZ if refresh_hz is None else refresh_hz
+        self.refresh_ticks = 0
+        """Refresh timer ticks so far (the automatic rate skips every other one)."""
         self.clock = clock
         self.player: ReplayPlayer | None = None
         self._pending_replay = replay_messages
@@ -171,7 +193,7 @@ class MonitorApp(App[None]):
             self._pending_replay = None
         else:
             self._load_replay()
-        self.set_interval(1.0 / self.refresh_hz, self.refresh_view)
+        self.set_interval(1.0 / self.refresh_hz, self.refresh_tick)
         self.refresh_view()
 
     def on_resize(self) -> None:
@@ -296,6 +318,18 @@ class MonitorApp(App[None]):
         if self.player is not None:
             return self.player.position
         return self.clock()
+
+    def refresh_tick(self) -> None:
+        """The refresh timer: redraw, except every other tick for a run of more than
+        `LARGE_RUN_RANKS` ranks under the automatic rate ([Note: refresh rate at scale])."""
+        self.refresh_ticks += 1
+        if (
+            self.adaptive_refresh
+            and self.refresh_ticks % 2
+            and len(self.model.ranks) > LARGE_RUN_RANKS
+        ):
+            return
+        self.refresh_view()
 
     def refresh_view(self) -> None:
         """Take a snapshot and redraw every widget from it (the timer calls this)."""

@@ -53,7 +53,11 @@ def _add_thresholds(parser: argparse.ArgumentParser) -> None:
         "--dead-after", type=float, default=60.0, metavar="S", help="seconds until dead"
     )
     parser.add_argument(
-        "--refresh-hz", type=float, default=2.0, metavar="HZ", help="screen refreshes/s"
+        "--refresh-hz",
+        type=float,
+        default=None,
+        metavar="HZ",
+        help="screen refreshes/s (default: 2, or 1 for a run of more than 1,000 ranks)",
     )
 
 

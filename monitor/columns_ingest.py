@@ -11,11 +11,22 @@ Validity is checked a column at a time (`set(map(type, column))`, in C); a block
 `rank` or `step` column is not all ints, or one ingested in replay (`now` None, where
 each record's own time is its arrival), goes through `add_records` as dicts, so the
 outcome is the same either way (tests/test_monitor_columns.py compares them).
+
+[Note: newest record on demand]
+At 4,096 ranks sending 5 records/s, a rank's newest record is replaced 2-3 times between
+two refreshes (2 Hz), and each dict of ~34 fields took ~1.7 us to build: ~35 ms of every
+second went to dicts that nobody read. So a block leaves each rank a pointer (block,
+index) to its newest record, and the dict is built when something reads it: `snapshot`
+builds all of them at once per block (`materialise`, values picked per column in C), any
+other reader one at a time (`_RankState.record`). Fewer dicts, the same dicts: a dict
+ingest (`add_records`) replaces the pointer. A pointer keeps its block alive until the
+next refresh reads it.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +36,7 @@ from fsdpx.telemetry.wire.columns import RecordColumns
 from monitor.stragglers import PHASE_FIELDS
 
 if TYPE_CHECKING:
-    from monitor.model import MonitorModel
+    from monitor.model import MonitorModel, _RankState
 
 _INT = frozenset({int})
 
@@ -34,7 +45,7 @@ def add_columns(
     model: MonitorModel, block: RecordColumns, now: float | None, source: str | None
 ) -> None:
     """Store the block's records as `model.add_records(block.rows(), now, source)` would."""
-    from monitor.model import _RankState, _real
+    from monitor.model import _RankState, _real  # (model imports this module)
 
     ranks, steps = block.get("rank"), block.get("step")
     if (
@@ -55,22 +66,17 @@ def add_columns(
     if model.first_time is None:  # the block's first record is the run's first
         t = block.columns[block.fields.index("time")][0] if "time" in block.fields else None
         model.first_time = t if _real(t) else now
-    # The newest record of each rank becomes its record (dict keeps the last index); the
-    # values of those records are picked per column in C (itemgetter), then zipped.
+    # The newest record of each rank becomes its record (dict keeps the last index), as a
+    # pointer into the block: see [Note: newest record on demand].
     last = dict(zip(ranks, range(n), strict=True))
-    fields = block.fields
-    if len(last) == 1:
-        picked: Any = [tuple(c[i] for c in block.columns) for i in last.values()]
-    else:
-        pick = itemgetter(*last.values())
-        picked = zip(*[pick(c) for c in block.columns], strict=True)
+    model.unbuilt = True
     history = model.settings.rank_history
-    for rank, values in zip(last, picked, strict=True):
-        rec = dict(zip(fields, values, strict=True))
+    for rank, i in last.items():
         state = states.get(rank)
         if state is None:
-            state = states[rank] = _RankState(rec, now, deque(maxlen=history))
-        state.record = rec
+            state = states[rank] = _RankState(None, now, deque(maxlen=history), (block, i))
+        else:
+            state.pending = (block, i)
         state.last_seen = now
         state.source = source
         state.status_override = None
@@ -83,6 +89,32 @@ def add_columns(
         states[rank].history.append(point)
     _score(model, block, ranks, steps, nils, now)
     _aggregate(model, steps, col["loss"], block.get("tokens_per_s") or nils)
+
+
+def materialise(states: Iterable[_RankState]) -> None:
+    """Build the newest-record dicts still pointing into blocks, one pass per block with
+    the values picked per column in C (itemgetter), then zipped ([Note: newest record on
+    demand])."""
+    by_block: dict[int, tuple[RecordColumns, list[_RankState], list[int]]] = {}
+    for state in states:
+        pending = state.pending
+        if pending is None:
+            continue
+        block, index = pending
+        entry = by_block.get(id(block))
+        if entry is None:
+            entry = by_block[id(block)] = (block, [], [])
+        entry[1].append(state)
+        entry[2].append(index)
+    for block, group, indexes in by_block.values():
+        fields = block.fields
+        if len(indexes) == 1:
+            picked: Any = [tuple(c[indexes[0]] for c in block.columns)]
+        else:
+            pick = itemgetter(*indexes)
+            picked = zip(*[pick(c) for c in block.columns], strict=True)
+        for state, values in zip(group, picked, strict=True):
+            state.record = dict(zip(fields, values, strict=True))
 
 
 def _score(

@@ -218,27 +218,39 @@ class StragglerScores:
         """`add` for many records given as (rank, step, host, phase values in
         PHASE_FIELDS order, step_time_s) tuples (monitor/columns_ingest.py: zipped columns,
         no record dicts); ranks and steps are validated ints."""
+        # Per record at 20,000 records/s: locals for what stays put between closes, and
+        # the open row of the step before (records come in runs of one step).
         slots, hosts, opened, times = self._slot, self._hosts, self._open, self._step_times
+        through, newest = self._scored_through, self._newest
+        need = self.world_size or len(slots)
+        cur_step = None
+        row: dict[int, tuple[Any, ...]] = {}
+        step_times: list[float] = []
         for rank, step, host, phases, st in rows:
             slot = slots.get(rank)
             if slot is None:
                 slot = self._new_slot(rank)
                 hosts = self._hosts
+                need = self.world_size or len(slots)
             hosts[slot] = host
-            if step <= self._scored_through:
+            if step <= through:
                 continue
-            row = opened.get(step)
-            if row is None:
-                row = opened[step] = {}
-                times[step] = []
+            if step != cur_step:
+                cur_step = step
+                got = opened.get(step)
+                if got is None:
+                    got = opened[step] = {}
+                    times[step] = []
+                row, step_times = got, times[step]
             row[slot] = phases
             if type(st) is float or type(st) is int:
-                times[step].append(float(st))
-            if step > self._newest:
-                self._newest = step
-                self._close_ready()
-            elif len(row) >= (self.world_size or len(slots)):
-                self._close_ready()
+                step_times.append(float(st))
+            if step > newest:
+                self._newest = newest = step
+            elif len(row) < need:
+                continue
+            self._close_ready()  # (may close the step of `row`: read it again next time)
+            through, cur_step = self._scored_through, None
 
     def _close_ready(self) -> None:
         """Score the oldest open steps that are complete or lagged, in step order."""

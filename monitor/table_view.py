@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from monitor.state import Flag, RankRow, RankStatus
@@ -345,9 +346,16 @@ def order_rows(
     """Ranks to show, filtered by `query` and sorted by `sort_key` (ties by rank)."""
     keep = make_filter(query) if query.strip() else None
     selected = [r for r in rows.values() if keep is None or keep(r)]
-    selected.sort(key=lambda r: r.rank)
-    selected.sort(key=lambda r: _sort_value(r, sort_key), reverse=descending)
+    selected.sort(key=_RANK)
+    if sort_key == "rank":  # (the default: one sort, its key read in C)
+        if descending:
+            selected.reverse()
+    else:
+        selected.sort(key=lambda r: _sort_value(r, sort_key), reverse=descending)
     return [r.rank for r in selected]
+
+
+_RANK = attrgetter("rank")
 
 
 def filter_title(query: str, shown: int, total: int) -> str:

@@ -104,6 +104,8 @@ async def test_sort_keys_and_reverse() -> None:
         await pilot.pause()
         assert table_lines(app)[0].split()[0] == "5"
         assert "mem%↓" in screen_lines(app)[5]
+        table.set_sort("rank", descending=True)  # (by rank: one sort, then reversed)
+        assert table.order == sorted(app.snapshot.rows, reverse=True)
 
 
 @sync
@@ -350,3 +352,27 @@ async def test_refresh_and_key_checks_survive_an_empty_screen_stack() -> None:
             assert app.check_action("request_dumps", ()) is False
         finally:
             stack.extend(saved)
+
+
+def test_automatic_refresh_rate_halves_above_large_run_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # [Note: refresh rate at scale]: the timer redraws every tick up to LARGE_RUN_RANKS
+    # ranks, every other tick above (automatic rate only); an explicit rate is honoured.
+    from monitor.app import LARGE_RUN_RANKS
+
+    def redraws(refresh_hz: float | None, ranks: int) -> int:
+        app = MonitorApp(replay_messages=[], refresh_hz=refresh_hz)
+        app.runs.add_records([{"rank": r, "step": 1} for r in range(ranks)], now=1.0)
+        drawn: list[float] = []
+        monkeypatch.setattr(app, "refresh_view", lambda: drawn.append(app.refresh_hz))
+        for _ in range(6):
+            app.refresh_tick()
+        return len(drawn)
+
+    assert redraws(None, LARGE_RUN_RANKS) == 6
+    assert redraws(None, LARGE_RUN_RANKS + 1) == 3
+    assert redraws(2.0, LARGE_RUN_RANKS + 1) == 6
+    assert MonitorApp(replay_messages=[]).refresh_hz == 2.0
+    with pytest.raises(ValueError, match=r"^refresh_hz must be > 0; got 0$"):
+        MonitorApp(replay_messages=[], refresh_hz=0)

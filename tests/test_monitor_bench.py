@@ -42,3 +42,16 @@ def test_monitor_receive_path_benchmark_runs() -> None:
     # Both streams carry every record (16 ranks x 5/s x 2 s), in frames per rank or batches.
     assert re.search(r"as-sent\s+ranks=\s+16\s+64 frames,\s+160 records", proc.stdout), proc.stdout
     assert re.search(r"coalesced\s+ranks=\s+16\s+4 frames,\s+160 records", proc.stdout)
+
+
+@pytest.mark.slow
+def test_monitor_tui_virtual_benchmark_runs() -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "monitor_cpu.py"),
+        "--tui-virtual", "--ranks", "16", "--seconds", "2", "--size", "80x24",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    # 2 s of traffic in 4 refresh intervals, the first 2 not measured: 16 x 5/s x 1 s.
+    line = r"^whole TUI, virtual time\s+ranks=\s+16\s+80 records for 1 s of traffic:\s+[\d.]+%"
+    assert re.search(line, proc.stdout, re.M), proc.stdout

@@ -155,6 +155,11 @@ def test_a_model_fed_columns_ends_as_one_fed_dicts() -> None:
         assert block is not None
         by_columns.add_columns(block, now=now, source="a")
     end = run.time_of(31)
+    # Newest records stay pointers into their blocks until read ([Note: newest record on
+    # demand]); one read alone (not through a snapshot) builds the same dict.
+    assert by_columns.unbuilt and by_columns.ranks[2].pending is not None
+    assert by_columns.ranks[2].record == by_rows.ranks[2].record
+    assert by_columns.ranks[2].pending is None and by_columns.ranks[3].pending is not None
     assert any(e["kind"] == "straggler" for e in by_columns.events)
     assert len(by_columns.snapshot(end).loss_curve) == 30
     assert _state(by_columns, end) == _state(by_rows, end)

@@ -75,6 +75,9 @@ class RankTable(ScrollView, can_focus=True):
         self.cursor = 0
         self._rows: dict[int, RankRow] = {}
         self._columns: list[Column] = fit_columns(80)
+        self._base_style: Style | None = None
+        """`rich_style` (it walks the ancestors' styles: costly per line); reset when
+        Textual says styles changed (`notify_style_update`)."""
 
     # --- data ---------------------------------------------------------------------
 
@@ -148,10 +151,16 @@ class RankTable(ScrollView, can_focus=True):
             name = "rank-table--exited"
         return self.get_component_rich_style(name) if name else Style()
 
+    def notify_style_update(self) -> None:
+        self._base_style = None
+        super().notify_style_update()
+
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
         width = self.scrollable_content_region.width
-        base = self.rich_style
+        base = self._base_style
+        if base is None:
+            base = self._base_style = self.rich_style
         if y == 0:
             text = format_header(self._columns, self.sort_key, self.descending)
             style = base + self.get_component_rich_style("rank-table--header")
