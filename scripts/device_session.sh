@@ -7,6 +7,7 @@
 #   cores 4-7    checkpoint save / load against DCP (scripts/quiet_benchmarks.sh's runs)
 #   cores 8-15   0/1 Adam against Adam (two runs at once, 4 single-threaded gloo ranks
 #                each), then the long-sequence per-token step times (4 ranks, 1 core each)
+#                beside the monitor following 4,096 simulated ranks
 #
 #   bash scripts/device_session.sh OUT_DIR
 #
@@ -65,11 +66,15 @@ cpu_part() {
         --only compressed --optimizer zero_one_adam \
         --var-update-scaler "${ONEBIT_VAR_UPDATE_SCALER:-32}" &
     wait
+    # The monitor following 4,096 simulated ranks live (relay, publishers and TUI on 4 cores).
+    quiet 12-15 monitor_cpu "${MONITOR_TIMEOUT:-120}" python3 benchmarks/monitor_cpu.py \
+        --ranks 4096 --tables line --frames columnar --seconds 15 --repeat 2 &
     for mode in ulysses ring; do
         quiet 8-11 "long_context_cpu_$mode" "${LONG_CPU_TIMEOUT:-90}" python3 -m torch.distributed.run \
             --standalone --nproc_per_node=4 --master_port=29960 benchmarks/long_context.py \
             --mode "$mode" --seq 1024 --budget-mib 16 --sweep 512 1024 2048 --steps 3
     done
+    wait
 }
 
 nproc > "$logs/host.txt"
