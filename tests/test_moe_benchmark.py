@@ -74,3 +74,17 @@ def test_moe_script_runs_on_one_gpu() -> None:
     """The single-GPU row: NCCL, bf16 parameters, the replicated layouts, ep skipped."""
     out = _one_rank("--device", "cuda", "--steps", "2", "--warmup", "1", "--tiny", "--repeat", "2")
     assert "1 NCCL rank(s)" in out and "bf16 parameters" in out, out
+
+
+def test_grouped_benchmark_floor_computes_the_same_experts() -> None:
+    """benchmarks/moe_grouped.py --floor: the kernels alone (no autograd) give the module
+    loop's output (measure() checks every case's against it before timing)."""
+    spec = importlib.util.spec_from_file_location(
+        "moe_grouped_benchmark", ROOT / "benchmarks" / "moe_grouped.py"
+    )
+    assert spec is not None and spec.loader is not None
+    grouped = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = grouped  # its dataclass looks its module up there
+    spec.loader.exec_module(grouped)
+    counts, timed = grouped.measure(4, 64, 16, 32, 1, floor=True)
+    assert sum(counts) == 128 and grouped.FLOOR in timed and grouped.LOOP in timed
