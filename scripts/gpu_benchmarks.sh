@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU rows of the benchmarks, as one short script for a lent GPU machine (one GPU):
 # grouped expert compute (MoE), the MoE training table's single-GPU rows, long-sequence step
-# time and memory, ZeRO++ step time on
-# NCCL. Run after scripts/gpu_checks.sh has installed the wheels (or with PYTHONPATH set).
+# time and memory, ZeRO++ step time on NCCL. Run after scripts/gpu_checks.sh has installed the wheels (or with PYTHONPATH set).
 #
 #   bash scripts/gpu_benchmarks.sh [OUT_DIR]
 #
