@@ -23,7 +23,10 @@ backward of an MLP expert (Linear -> GELU -> Linear) over all of them, five ways
 `--floor` adds `kernels alone`: the same per-expert kernels as the fused node (the six
 GEMMs, the bias copies and sums, the activation and its derivative) on buffers allocated
 once, without autograd: what any grouping of these experts could reach with these kernels
-on this machine, the bound the fused node is measured against.
+on this machine, the bound the fused node is measured against; with `kernels, fresh
+buffers` (the same, buffers allocated per call) and `fused node alone` (grouped_mlp's
+forward and torch.autograd.grad, without the harness's upstream-gradient fill and
+accumulation into .grad) to split the difference.
 
 Every way's output is checked against the module loop's before timing. Prints each way's
 median and best over `--repeat` interleaved rounds and its speedup: the median of its
@@ -71,6 +74,7 @@ import torch
 from torch import nn
 
 from fsdpx.moe.experts import Experts
+from fsdpx.moe.grouped_mlp import grouped_mlp
 
 LOOP = "per-expert loop (modules)"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -211,12 +215,16 @@ def measure(
             print(f"torch._grouped_mm: not usable on this build/device: {str(exc).splitlines()[0]}")
     if floor:
         cases[FLOOR] = _kernels_alone(rows, counts, w1, b1, w2, b2)
+        cases[FRESH] = lambda: _kernels_alone(rows, counts, w1, b1, w2, b2)()
+        cases[NODE] = _node_alone(rows, counts, w1, b1, w2, b2)
     for name in ("sorted loop", "padded bmm", "fused (grouped_mlp)", *cases.keys() - BUILT_IN):
         torch.testing.assert_close(cases[name](), reference, rtol=tol, atol=tol)
     return counts, _times(cases, repeat, _clock(dev, clock))
 
 
 FLOOR = "kernels alone (floor)"
+FRESH = "kernels, fresh buffers"
+NODE = "fused node alone"
 BUILT_IN = {LOOP, "sorted loop", "padded bmm", "fused (grouped_mlp)", "torch._grouped_mm"}
 
 
@@ -258,6 +266,27 @@ def _kernels_alone(
             torch.sum(dh, 0, out=db1[j])
             torch.mm(dh, w1[j], out=dx[s:e])
         return out
+
+    return run
+
+
+def _node_alone(
+    x: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+) -> Callable[[], torch.Tensor]:
+    """grouped_mlp forward + torch.autograd.grad with a preallocated upstream gradient of
+    ones: the fused node without Experts.forward and without accumulating into .grad."""
+    grad, act = torch.ones_like(x), nn.GELU()
+
+    def run() -> torch.Tensor:
+        rows = x.detach().requires_grad_()
+        out = grouped_mlp(rows, w1, b1, w2, b2, counts, act)
+        torch.autograd.grad(out, (rows, w1, b1, w2, b2), grad)
+        return out.detach()
 
     return run
 

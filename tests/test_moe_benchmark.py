@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+
+from fsdpx.moe.experts import Experts
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("moe_benchmark", ROOT / "benchmarks" / "moe.py")
@@ -77,8 +81,9 @@ def test_moe_script_runs_on_one_gpu() -> None:
 
 
 def test_grouped_benchmark_floor_computes_the_same_experts() -> None:
-    """benchmarks/moe_grouped.py --floor: the kernels alone (no autograd) give the module
-    loop's output (measure() checks every case's against it before timing)."""
+    """benchmarks/moe_grouped.py --floor: the kernels alone (no autograd) and the fused node
+    alone compute the experts' output (measure() checks them against the module loop the
+    same way before timing)."""
     spec = importlib.util.spec_from_file_location(
         "moe_grouped_benchmark", ROOT / "benchmarks" / "moe_grouped.py"
     )
@@ -86,5 +91,13 @@ def test_grouped_benchmark_floor_computes_the_same_experts() -> None:
     grouped = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = grouped  # its dataclass looks its module up there
     spec.loader.exec_module(grouped)
-    counts, timed = grouped.measure(4, 64, 16, 32, 1, floor=True)
-    assert sum(counts) == 128 and grouped.FLOOR in timed and grouped.LOOP in timed
+    torch.manual_seed(0)
+    template = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    experts = Experts(template, 4, grouped="loop", reinit=True)
+    counts = [5, 0, 11, 2]
+    x = torch.randn(sum(counts), 16)
+    ref = experts(x, counts)
+    p = dict(experts.expert.named_parameters())
+    weights = (p["0.weight"], p["0.bias"], p["2.weight"], p["2.bias"])
+    torch.testing.assert_close(grouped._kernels_alone(x, counts, *weights)(), ref)
+    torch.testing.assert_close(grouped._node_alone(x, counts, *weights)(), ref)
