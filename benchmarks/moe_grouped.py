@@ -51,11 +51,10 @@ input and weight gradients of two Linears) are ~60% of the module loop's time; t
 is what grouping can remove (each expert slice's SliceBackward zero-fills and adds a
 full-size input gradient: ~30% at 128 -> 256; torch.cat; the activation run out of cache)
 plus what it cannot (bias adds, the GELU and its derivative: ~20%). The fused node removes
-the first part; its own forward + backward is within 2-5% of those GEMMs and elementwise
-passes run bare (`--floor`: 1.38x at 128 -> 256, 1.23x at 256 -> 512, under a load average
-of 15-24; the fused case 1.31x / 1.18x in the same runs, the rest being this harness's
-upstream-gradient fill and gradient accumulation), so that is the ceiling of this reference
-on one CPU thread. With few rows per expert
+the first part; its own forward + backward is within 1-5% of those GEMMs and elementwise
+passes run bare (`--floor`: 1.29-1.38x at 128 -> 256, 1.23-1.27x at 256 -> 512, in two runs
+under load averages of 15-24 and 32-38; the fused case 1.27-1.31x / 1.18-1.24x in the same
+runs), so that is the ceiling of this reference on one CPU thread. With few rows per expert
 (512 rows: 64 per expert) the per-call overhead dominates and torch._grouped_mm's C++ loop
 is the fastest (1.39x). The sorted loop, fsdpx's earlier default, is slower than the module
 loop (it pays the same slice gradients plus functional_call). On a GPU torch._grouped_mm is
