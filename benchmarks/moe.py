@@ -10,6 +10,14 @@ Smallest run (the smoke test's)::
 
     torchrun --standalone --nproc_per_node=4 benchmarks/moe.py --steps 1 --warmup 1 --tiny
 
+On GPUs (NCCL, one GPU per rank, bf16 parameters with fp32 reductions by default)::
+
+    torchrun --standalone --nproc_per_node=1 benchmarks/moe.py --device cuda --steps 20 --warmup 3
+
+Any world size runs: a layout whose mesh.ep does not divide it (ep2 / ep4 on one GPU) is
+skipped with the reason printed, so one GPU gives the replicated rows (step time and
+per-rank model-state bytes; nothing is gathered or sent at one rank).
+
 The model is a small MoE GPT: token embedding, `--layers` blocks of causal attention and
 an `fsdpx.moe.MoE` (8 experts, dropless top-2, GELU MLP experts), a head; loss = cross
 entropy + 0.01 * the summed load-balancing losses. Every layout trains it from the same
@@ -38,9 +46,11 @@ d c) per layer and micro-step) and the measured / formula ratio; the final loss 
 model and data: the layouts agree up to reduction order).
 
 Then rank 0 times the expert compute alone at 8 local experts (benchmarks/moe_grouped.py's
-measure(): per-expert module loop, fsdpx's sorted loop, padded bmm and grouped_mm)
-while the other ranks wait, the issue's grouped-vs-loop comparison (goal >= 1.5x).
-CPU/gloo timings say little about GPUs (two cores shared by four ranks, no overlap).
+measure(): per-expert module loop, fsdpx's sorted loop, padded bmm, fused and grouped_mm;
+on CUDA in the run's dtype, wall time) while the other ranks wait, the issue's
+grouped-vs-loop comparison (goal >= 1.5x). The header says what `grouped="auto"` picks for
+these experts on this device ([Note: auto grouped choice]). CPU/gloo timings say little
+about GPUs (two cores shared by four ranks, no overlap).
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +73,17 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdpx  # noqa: E402
-from benchmarks.moe_grouped import measure  # noqa: E402
+from benchmarks.moe_grouped import DTYPES, measure  # noqa: E402
 from fsdpx.comm import comm_log  # noqa: E402
 from fsdpx.estimate import estimate_memory  # noqa: E402
 from fsdpx.estimate_comm import comm_volume  # noqa: E402
 from fsdpx.moe import MoE  # noqa: E402
+from fsdpx.moe.auto_grouped import choose_grouped, grouped_mm_kernel  # noqa: E402
+from fsdpx.moe.experts import Grouped  # noqa: E402
 from fsdpx.parallel_dims import ParallelDims  # noqa: E402
 
 EXPERTS, TOP_K, AUX = 8, 2, 0.01
-LAYOUTS: dict[str, tuple[int, str]] = {  # name -> (mesh.ep, grouped)
+LAYOUTS: dict[str, tuple[int, Grouped]] = {  # name -> (mesh.ep, grouped)
     "replicated": (1, "loop"),
     "replicated_padded": (1, "padded"),
     "replicated_grouped_mm": (1, "grouped_mm"),
@@ -81,7 +94,7 @@ LAYOUTS: dict[str, tuple[int, str]] = {  # name -> (mesh.ep, grouped)
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ffn: int, ep: int, grouped: str) -> None:
+    def __init__(self, d: int, heads: int, ffn: int, ep: int, grouped: Grouped) -> None:
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
@@ -89,7 +102,7 @@ class Block(nn.Module):
         expert = nn.Sequential(nn.Linear(d, ffn), nn.GELU(), nn.Linear(ffn, d))
         self.moe = MoE(
             d, expert, EXPERTS, ep_size=ep, k=TOP_K, capacity_factor=None, grouped=grouped
-        )  # type: ignore[arg-type]
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
@@ -103,7 +116,7 @@ class Block(nn.Module):
 
 
 class MoEGPT(nn.Module):
-    def __init__(self, args: argparse.Namespace, ep: int, grouped: str) -> None:
+    def __init__(self, args: argparse.Namespace, ep: int, grouped: Grouped) -> None:
         super().__init__()
         d = args.hidden
         self.emb = nn.Embedding(args.vocab, d)
@@ -114,7 +127,7 @@ class MoEGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.emb(idx)
-        aux = torch.zeros(())
+        aux = torch.zeros((), device=h.device)
         for block in self.blocks:
             h, l_aux = block(h)
             aux = aux + l_aux
@@ -126,7 +139,7 @@ def loss_fn(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + AUX * aux
 
 
-def _local_bytes(named: list[tuple[str, torch.Tensor]], experts: bool | None = None) -> int:
+def _local_bytes(named: Sequence[tuple[str, torch.Tensor]], experts: bool | None = None) -> int:
     total = 0
     for name, t in named:
         if experts is not None and ("experts" in name) != experts:
@@ -134,6 +147,27 @@ def _local_bytes(named: list[tuple[str, torch.Tensor]], experts: bool | None = N
         local = t.to_local() if isinstance(t, DTensor) else t
         total += local.numel() * local.element_size()
     return total
+
+
+def skipped(names: list[str], world: int) -> dict[str, str]:
+    """The layouts of `names` that cannot run at this world size (or torch build), each with
+    the reason; the rest run."""
+    out: dict[str, str] = {}
+    for name in names:
+        ep, grouped = LAYOUTS[name]
+        if world % ep:
+            out[name] = (
+                f"mesh.ep = {ep} must divide the world size, which is {world}: run with a "
+                f"multiple of {ep} ranks (4 runs every layout)"
+            )
+        elif grouped == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+            out[name] = f"torch {torch.__version__} has no torch._grouped_mm"
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _max(value: float) -> float:
@@ -147,11 +181,14 @@ class Layout:
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         ep, grouped = LAYOUTS[name]
-        sections = {
+        sections: dict[str, Any] = {
+            "device": args.device,
             "mesh": {"ep": ep},
             "zero": {"stage": 3},
             "optimizer": {"type": "adamw", "lr": 1e-3},
         }
+        if args.dtype == "bf16":
+            sections["precision"] = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
         cfg = fsdpx.Config.from_dict(sections)
         torch.manual_seed(0)
         model = MoEGPT(args, ep, grouped)
@@ -160,6 +197,7 @@ class Layout:
         self.estimate = estimate_memory(model, cfg, world)
         self.volume = comm_volume(model, cfg, world, tokens_per_micro_step=args.batch * args.seq)
         self.engine = fsdpx.shard(model, cfg, loss_fn=loss_fn)
+        self.device = torch.device(self.engine.device)
         self.dp_rank = ParallelDims.dp_mesh(self.engine.mesh).get_local_rank()
         self.named = list(self.engine.module.named_parameters())
         self.grads: dict[str, int] = {}
@@ -177,11 +215,13 @@ class Layout:
     def step(self, batch: torch.Tensor, timed: bool) -> None:
         """One step on this rank's rows of the global `batch` [world * B, seq + 1]."""
         b = self.args.batch
-        mine = batch[self.dp_rank * b : (self.dp_rank + 1) * b]
+        mine = batch[self.dp_rank * b : (self.dp_rank + 1) * b].to(self.device)
         before = comm_log().totals()
+        _sync(self.device)
         dist.barrier()
         t0 = time.perf_counter()
         loss = self.engine.train_batch(iter([(mine[:, :-1], mine[:, 1:])]))
+        _sync(self.device)
         elapsed = _max(time.perf_counter() - t0)
         after = comm_log().totals()
         self.loss = float(loss)
@@ -240,30 +280,64 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--grouped-tokens", type=int, default=4096, help="tokens of that timing")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 32, seq 16")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
-    return p.parse_args()
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo; cuda: NCCL, one GPU per rank (LOCAL_RANK)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="parameter dtype in compute (bf16: fp32 reductions); default fp32 on cpu, "
+        "bf16 on cuda",
+    )
+    args = p.parse_args()
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    return args
 
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    if dist.get_world_size() != 4:
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
-            f"run with 4 ranks (ep 2 and ep 4 of 8 experts); got {dist.get_world_size()}"
+            f"--device cuda: torch {torch.__version__} sees no CUDA device; run on a GPU "
+            "machine with a CUDA build of torch, or use --device cpu"
         )
+    # gloo on CPU; NCCL for CUDA tensors plus gloo for CPU ones on CUDA.
+    info = fsdpx.init_distributed(fsdpx.Config.from_dict({"device": args.device}))
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
     if args.tiny:
         args.layers, args.hidden, args.ffn, args.seq, args.vocab = 2, 32, 64, 16, 128
     names = list(dict.fromkeys(["replicated", *args.layouts]))
-    results = run_layouts(names, args)
+    skip = skipped(names, world)
+    if "replicated" in skip:
+        raise SystemExit(f"the baseline layout cannot run: {skip['replicated']}")
+    results = run_layouts([n for n in names if n not in skip], args)
     rank0 = dist.get_rank() == 0
     if rank0:
         base = results["replicated"]["step_s"]
         mib = 2**20
+        dtype = DTYPES[args.dtype]
+        auto = choose_grouped(
+            info.device.type,
+            dtype,
+            args.hidden,
+            args.ffn,
+            grouped_mm_kernel=grouped_mm_kernel(info.device),
+        )
+        backend = "NCCL" if args.device == "cuda" else "gloo"
+        where = f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""
         print(
             f"MoE GPT: {args.layers} layers, hidden {args.hidden}, {EXPERTS} experts top-"
             f"{TOP_K} (ffn {args.ffn}), {args.batch} x {args.seq} tokens per rank, ZeRO-3, "
-            "4 gloo ranks; per-step bytes are per rank (max over ranks)"
+            f"{world} {backend} rank(s){where}, {args.dtype} parameters, torch "
+            f"{torch.__version__}; per-step bytes are per rank (max over ranks); "
+            f"grouped='auto' runs {auto!r} here"
         )
+        for name, why in skip.items():
+            print(f"skipped {name}: {why}")
         print(
             f"{'layout':<21} {'step_s':>7} {'x repl':>6} {'state MiB':>9} {'experts':>8} "
             f"{'estimate':>8} {'gather MiB':>10} {'estimate':>8} {'a2a MiB':>8} {'formula':>8} "
@@ -279,10 +353,19 @@ def main() -> None:
                 f"{r['a2a'] / mib:8.3f} {r['formula'] / mib:8.3f} "
                 f"{ratio:>6} {r['loss']:7.4f}"
             )
-        counts, timed = measure(EXPERTS, args.grouped_tokens, args.hidden, args.ffn, args.repeat)
+        counts, timed = measure(
+            EXPERTS,
+            args.grouped_tokens,
+            args.hidden,
+            args.ffn,
+            args.repeat,
+            device=args.device,
+            dtype=dtype,
+        )
+        clock = "wall time (synchronized)" if args.device == "cuda" else "1 thread, CPU time"
         print(
-            f"expert compute, 8 local experts, rows {sum(counts)} (counts {counts}), 1 thread, "
-            f"CPU time, median of {args.repeat} interleaved rounds:"
+            f"expert compute, 8 local experts, rows {sum(counts)} (counts {counts}), {clock}, "
+            f"median of {args.repeat} interleaved rounds:"
         )
         for name, t in timed.items():
             print(f"  {name:<26} {t.median * 1e3:8.2f} ms  speedup vs module loop {t.speedup:.3f}")

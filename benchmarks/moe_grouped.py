@@ -1,7 +1,7 @@
 """Grouped expert compute: which way of running the local experts is fastest.
 
     .venv/bin/python benchmarks/moe_grouped.py [--experts 8] [--tokens 4096] [--hidden 256]
-        [--ffn 512] [--repeat 15] [--threads 1] [--clock cpu|wall]
+        [--ffn 512] [--repeat 15] [--threads 1] [--clock cpu|wall] [--floor]
     python benchmarks/moe_grouped.py --device cuda [--dtype bf16] ...   # on a GPU
 
 The tokens of one rank's local experts arrive sorted by expert with uneven counts (drawn
@@ -19,6 +19,14 @@ backward of an MLP expert (Linear -> GELU -> Linear) over all of them, five ways
 - `torch._grouped_mm` (grouped="grouped_mm"): stacked weights and per-expert row offsets,
   one grouped matmul per Linear (only where the build has it; it wants 16-byte-aligned
   strides).
+
+`--floor` adds `kernels alone`: the same per-expert kernels as the fused node (the six
+GEMMs, the bias copies and sums, the activation and its derivative) on buffers allocated
+once, without autograd: what any grouping of these experts could reach with these kernels
+on this machine, the bound the fused node is measured against; with `kernels, fresh
+buffers` (the same, buffers allocated per call) and `fused node alone` (grouped_mlp's
+forward and torch.autograd.grad, without the harness's upstream-gradient fill and
+accumulation into .grad) to split the difference.
 
 Every way's output is checked against the module loop's before timing. Prints each way's
 median and best over `--repeat` interleaved rounds and its speedup: the median of its
@@ -43,12 +51,14 @@ input and weight gradients of two Linears) are ~60% of the module loop's time; t
 is what grouping can remove (each expert slice's SliceBackward zero-fills and adds a
 full-size input gradient: ~30% at 128 -> 256; torch.cat; the activation run out of cache)
 plus what it cannot (bias adds, the GELU and its derivative: ~20%). The fused node removes
-the first part and runs about as fast as those GEMMs and elementwise passes run bare,
-so ~1.25x is the ceiling of this reference on one CPU thread. With few rows per expert
+the first part; its own forward + backward is within 1-5% of those GEMMs and elementwise
+passes run bare (`--floor`: 1.29-1.38x at 128 -> 256, 1.23-1.27x at 256 -> 512, in two runs
+under load averages of 15-24 and 32-38; the fused case 1.27-1.31x / 1.18-1.24x in the same
+runs), so that is the ceiling of this reference on one CPU thread. With few rows per expert
 (512 rows: 64 per expert) the per-call overhead dominates and torch._grouped_mm's C++ loop
 is the fastest (1.39x). The sorted loop, fsdpx's earlier default, is slower than the module
 loop (it pays the same slice gradients plus functional_call). On a GPU torch._grouped_mm is
-one kernel for all experts: not measured here (run `--device cuda` on one).
+one kernel for all experts: README, Measured has the H100 rows (`--device cuda`).
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ import torch
 from torch import nn
 
 from fsdpx.moe.experts import Experts
+from fsdpx.moe.grouped_mlp import grouped_mlp
 
 LOOP = "per-expert loop (modules)"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -140,9 +151,10 @@ def measure(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     clock: str = "cpu",
+    floor: bool = False,
 ) -> tuple[list[int], dict[str, Timing]]:
     """(per-expert row counts, each way's Timing) for one local expert set; every way's
-    output is checked against the module loop's first."""
+    output is checked against the module loop's first. `floor` adds the kernels alone."""
     dev = torch.device(device)
     torch.manual_seed(0)
     template = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
@@ -200,9 +212,82 @@ def measure(
             cases["torch._grouped_mm"] = grouped("grouped_mm")
         except (RuntimeError, NotImplementedError) as exc:
             print(f"torch._grouped_mm: not usable on this build/device: {str(exc).splitlines()[0]}")
-    for name in ("sorted loop", "padded bmm", "fused (grouped_mlp)"):
+    if floor:
+        cases[FLOOR] = _kernels_alone(rows, counts, w1, b1, w2, b2)
+        cases[FRESH] = lambda: _kernels_alone(rows, counts, w1, b1, w2, b2)()
+        cases[NODE] = _node_alone(rows, counts, w1, b1, w2, b2)
+    for name in ("sorted loop", "padded bmm", "fused (grouped_mlp)", *cases.keys() - BUILT_IN):
         torch.testing.assert_close(cases[name](), reference, rtol=tol, atol=tol)
     return counts, _times(cases, repeat, _clock(dev, clock))
+
+
+FLOOR = "kernels alone (floor)"
+FRESH = "kernels, fresh buffers"
+NODE = "fused node alone"
+BUILT_IN = {LOOP, "sorted loop", "padded bmm", "fused (grouped_mlp)", "torch._grouped_mm"}
+
+
+def _kernels_alone(
+    x: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+) -> Callable[[], torch.Tensor]:
+    """Forward + backward of the GELU MLP experts as the fused node runs them (the loop's
+    kernels, row block by row block), into buffers allocated here once, without autograd;
+    the upstream gradient is ones, as in the other cases."""
+    aten = torch.ops.aten
+    w1, b1, w2, b2 = (t.detach() for t in (w1, b1, w2, b2))
+    h, a = x.new_empty(x.shape[0], w1.shape[1]), x.new_empty(x.shape[0], w1.shape[1])
+    out, dx, grad = torch.empty_like(x), torch.empty_like(x), torch.ones_like(x)
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    db1, db2 = torch.empty_like(b1), torch.empty_like(b2)
+    scratch = x.new_empty(max(counts), w1.shape[1])
+    bounds, start = [], 0
+    for j, n in enumerate(counts):
+        bounds.append((j, start, start + n))
+        start += n
+
+    def run() -> torch.Tensor:
+        for j, s, e in bounds:
+            torch.addmm(b1[j], x[s:e], w1[j].t(), out=h[s:e])
+            aten.gelu.out(h[s:e], out=a[s:e])
+            torch.addmm(b2[j], a[s:e], w2[j].t(), out=out[s:e])
+        for j, s, e in bounds:
+            g, dh = grad[s:e], scratch[: e - s]
+            torch.mm(g.t(), a[s:e], out=dw2[j])
+            torch.sum(g, 0, out=db2[j])
+            torch.mm(g, w2[j], out=dh)
+            aten.gelu_backward.grad_input(dh, h[s:e], grad_input=dh)
+            torch.mm(dh.t(), x[s:e], out=dw1[j])
+            torch.sum(dh, 0, out=db1[j])
+            torch.mm(dh, w1[j], out=dx[s:e])
+        return out
+
+    return run
+
+
+def _node_alone(
+    x: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+) -> Callable[[], torch.Tensor]:
+    """grouped_mlp forward + torch.autograd.grad with a preallocated upstream gradient of
+    ones: the fused node without Experts.forward and without accumulating into .grad."""
+    grad, act = torch.ones_like(x), nn.GELU()
+
+    def run() -> torch.Tensor:
+        rows = x.detach().requires_grad_()
+        out = grouped_mlp(rows, w1, b1, w2, b2, counts, act)
+        torch.autograd.grad(out, (rows, w1, b1, w2, b2), grad)
+        return out.detach()
+
+    return run
 
 
 def main() -> None:
@@ -213,6 +298,9 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=15, help="interleaved rounds (medians)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--floor", action="store_true", help="add the kernels alone, without autograd (a bound)"
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
     ap.add_argument(
@@ -235,6 +323,7 @@ def main() -> None:
         device=args.device,
         dtype=dtype,
         clock=args.clock,
+        floor=args.floor,
     )
     clock = "wall (synchronized)" if args.device == "cuda" else f"{args.clock} time"
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} thread(s)"

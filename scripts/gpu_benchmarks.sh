@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU rows of the benchmarks, as one short script for a lent GPU machine (one GPU):
-# grouped expert compute (MoE), long-sequence step time and memory, ZeRO++ step time on
-# NCCL. Run after scripts/gpu_checks.sh has installed the wheels (or with PYTHONPATH set).
+# grouped expert compute (MoE), the MoE training table's single-GPU rows, long-sequence step
+# time and memory, ZeRO++ step time on NCCL. Run after scripts/gpu_checks.sh has installed the wheels (or with PYTHONPATH set).
 #
 #   bash scripts/gpu_benchmarks.sh [OUT_DIR]
 #
@@ -19,6 +19,9 @@ step() {  # name, timeout, command...
 step moe_grouped ${MOE_TIMEOUT:-60} python3 benchmarks/moe_grouped.py --device cuda --repeat 30
 step moe_grouped_mixtral ${MOE_TIMEOUT:-90} python3 benchmarks/moe_grouped.py --device cuda \
     --hidden 4096 --ffn 14336 --tokens 8192 --repeat 10
+# One GPU: the replicated layouts of the MoE training table (ep2 / ep4 skipped, printed).
+step moe_train ${MOE_TRAIN_TIMEOUT:-150} python3 -m torch.distributed.run --standalone --nproc_per_node=1 \
+    benchmarks/moe.py --device cuda --steps 20 --warmup 3
 step long_context ${LONG_TIMEOUT:-150} python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/long_context.py --device cuda --dim 1024 \
     --autocast bf16 --mlp-tile 4096 --seq 4096 --budget-mib 4096 \
     --sweep 8192 16384 32768 65536 131072 --steps 3

@@ -49,7 +49,8 @@ def test_fused_equals_the_loop(act: nn.Module, bias: bool) -> None:
 
 
 def test_auto_picks_fused_for_mlps_and_the_loop_otherwise() -> None:
-    assert Experts(_mlp(nn.GELU()), 2).grouped == "fused"
+    mlp = Experts(_mlp(nn.GELU()), 2)
+    assert mlp.grouped == "auto" and mlp.mode(torch.randn(3, 8)) == "fused"  # on CPU
     assert Experts(nn.Linear(8, 8), 2).grouped == "loop"
     with pytest.raises(ValueError, match=r"grouped='fused': it computes experts of the form"):
         Experts(nn.Linear(8, 8), 2, grouped="fused")

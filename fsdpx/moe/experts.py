@@ -23,8 +23,11 @@ CPU a per-group loop inside one op; on a GPU one kernel: its case there);
 `grouped="loop"` slices the sorted tokens and runs the template per expert with
 `torch.func.functional_call` (any expert module); `grouped="padded"` copies them into an
 [experts, max_count, d] buffer and runs the template once under `torch.func.vmap` (one
-batched matmul per layer), the slowest under uneven loads. The default, "auto", is
-"fused" for the Linear-activation-Linear form and "loop" for any other expert. The fused
+batched matmul per layer), the slowest under uneven loads. The default, "auto", is "loop"
+for any expert not of the Linear-activation-Linear form; for that form it is chosen on the
+first forward on each device and dtype: "fused", except on a GPU where torch._grouped_mm is
+one kernel and the expert is small, where it is "grouped_mm" (fsdpx/moe/auto_grouped.py,
+[Note: auto grouped choice]; `Experts.mode`). The fused
 path computes the loop's matmuls on the same row blocks, so its results equal the loop's
 (tests/test_moe_grouped_mlp.py); grouped_mm sums in its own order (fp32 rounding).
 """
@@ -39,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call, vmap
 
+from fsdpx.moe.auto_grouped import choose_grouped, grouped_mm_kernel
 from fsdpx.moe.grouped_mlp import grouped_mlp
 
 Grouped = Literal["auto", "fused", "padded", "loop", "grouped_mm"]
@@ -62,8 +66,8 @@ class Experts(nn.Module):
             raise ValueError(
                 f"grouped must be one of {', '.join(repr(m) for m in _MODES)}; got {grouped!r}"
             )
-        if grouped == "auto":
-            grouped = "fused" if _mlp_problem(template) is None else "loop"
+        if grouped == "auto" and _mlp_problem(template) is not None:
+            grouped = "loop"  # "auto" for MLP experts is chosen per device in mode()
         elif grouped in ("fused", "grouped_mm"):
             _check_mlp(template, grouped)
         if any(True for _ in template.buffers()):
@@ -81,6 +85,8 @@ class Experts(nn.Module):
         self.expert = copy.deepcopy(template)
         self.num_experts = num_experts
         self.grouped: Grouped = grouped
+        """The compute asked for; "auto" (MLP experts only) is resolved by mode()."""
+        self._auto: dict[tuple[torch.device, torch.dtype, torch.dtype], str] = {}
         self.grad_scale = 1.0
         """Multiplies the local experts' gradients (1 / ep under expert parallelism:
         [Note: expert gradient scale] in fsdpx/moe/parallel.py)."""
@@ -118,6 +124,25 @@ class Experts(nn.Module):
             )
         return out
 
+    def mode(self, x: Tensor, params: dict[str, Tensor] | None = None) -> str:
+        """The compute a forward on rows `x` runs: `grouped`, with "auto" resolved for x's
+        device and dtype and the weights' dtype ([Note: auto grouped choice])."""
+        if self.grouped != "auto":
+            return self.grouped
+        w1 = (params or self.local_params())["0.weight"]  # [E, ffn, hidden]
+        key = (x.device, x.dtype, w1.dtype)
+        chosen = self._auto.get(key)
+        if chosen is None:
+            chosen = choose_grouped(
+                x.device.type,
+                x.dtype if x.dtype == w1.dtype else None,
+                w1.shape[2],
+                w1.shape[1],
+                grouped_mm_kernel=grouped_mm_kernel(x.device),
+            )
+            self._auto[key] = chosen
+        return chosen
+
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         """Run expert j on the next counts[j] rows of `x` (rows sorted by local expert)."""
         params = self.local_params()
@@ -126,7 +151,8 @@ class Experts(nn.Module):
             # (FSDP reduce-scatters every parameter's gradient; zero here).
             zero = sum(p.sum() for p in params.values()) * 0.0
             return x + zero
-        if self.grouped == "loop":
+        mode = self.mode(x, params)
+        if mode == "loop":
             outs = []
             start = 0
             for j, n in enumerate(counts):
@@ -136,7 +162,7 @@ class Experts(nn.Module):
                 outs.append(functional_call(self.expert, one, (x[start : start + n],)))
                 start += n
             return torch.cat(outs)
-        if self.grouped == "fused":
+        if mode == "fused":
             act = self.expert.get_submodule("1")  # the activation (_check_mlp)
             return grouped_mlp(
                 x,
@@ -147,7 +173,7 @@ class Experts(nn.Module):
                 counts,
                 act,
             )
-        if self.grouped == "grouped_mm":
+        if mode == "grouped_mm":
             return self._grouped_mm(x, counts, params)
         return self._padded(x, counts, params)
 

@@ -22,8 +22,10 @@ rows right after its matmul (cache-hot), the activation's input gradient is reus
 place, and the backward keeps one [max rows, ffn] scratch buffer instead of a [rows, ffn]
 gradient. The matmuls and their summation order are the loop's (row block by row
 block, one GEMM per expert), so the results equal the loop's to fp32 rounding
-(tests/test_moe_grouped_mlp.py). On a GPU torch._grouped_mm is one kernel for all
-experts instead: use grouped="grouped_mm" there (benchmarks/moe_grouped.py --device cuda).
+(tests/test_moe_grouped_mlp.py). On CPU this node runs within 1-5% of its kernels alone
+(benchmarks/moe_grouped.py --floor; README, Measured): what is left is autograd, per-op
+dispatch and the first touch of freshly allocated buffers. On an H100-class GPU torch._grouped_mm is one kernel for all experts instead, and
+grouped="auto" picks it there for small experts ([Note: auto grouped choice]).
 """
 
 from __future__ import annotations
