@@ -37,7 +37,8 @@ quiet() {  # cores, log name, timeout, command... (CPU only, pinned)
 gpu_part() {
     taskset -c 0-3 env GPU_VS_DS_OPTIMIZERS="${GPU_VS_DS_OPTIMIZERS:-none}" \
         bash scripts/gpu_checks.sh "$logs/gpu" >/dev/null 2>&1
-    taskset -c 0-3 bash scripts/gpu_benchmarks.sh "$logs/gpu" >/dev/null 2>&1
+    taskset -c 0-3 env GPU_BENCH_STEPS="${GPU_BENCH_STEPS:-long_context zeropp moe_train moe_grouped}" \
+        bash scripts/gpu_benchmarks.sh "$logs/gpu" >/dev/null 2>&1
 }
 
 checkpoint_part() {
