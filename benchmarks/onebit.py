@@ -72,7 +72,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,9 +84,18 @@ import fsdpx
 from fsdpx.comm import comm_log
 from fsdpx.demo.gpt import GPT, GPTConfig, batches, shard_batch, stdlib_corpus
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.onebit_trace import StepTrace  # noqa: E402
+
 
 def train(
-    opt_cfg: dict[str, Any], *, steps: int, batch: int, lr: float, val_batches: int
+    opt_cfg: dict[str, Any],
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    val_batches: int,
+    trace: str | None = None,
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = fsdpx.Config.from_dict({"zero": {"stage": 0}, "optimizer": {"lr": lr, **opt_cfg}})
@@ -96,13 +107,21 @@ def train(
     train_it = batches(data[:split], batch, model_cfg.block_size, generator=_gen(1))
     per_step: list[int] = []
     losses: list[float] = []
+    tracer = None
+    if trace is not None:
+        named = list(engine.module.named_parameters())
+        tracer = StepTrace(str(opt_cfg["type"]), engine.optimizer, named)
     start = time.perf_counter()
     for _ in range(steps):
         x, y = next(train_it)
         mark = comm_log().mark()
         loss = engine(shard_batch(x, rank, world), shard_batch(y, rank, world))
         engine.backward(loss)
+        if tracer is not None:
+            tracer.before_step()
         engine.step()
+        if tracer is not None:
+            tracer.after_step(loss)
         per_step.append(comm_log().bytes_since(mark))
         losses.append(float(loss.detach()))
     seconds = time.perf_counter() - start
@@ -114,6 +133,8 @@ def train(
             x, y = next(val_it)
             total += float(engine(x, y))
     params = sum(p.numel() for p in engine.module.parameters())
+    if tracer is not None and trace is not None:
+        tracer.write(trace)
     return {
         "val_loss": total / val_batches,
         "last_train_loss": losses[-1],
@@ -163,6 +184,12 @@ def main() -> None:
         help="the compressed optimizer's lr (default --lr); Lamb's trust ratio scales each "
         "step to the weights' norm, so Adam's lr is not Lamb's",
     )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="append a JSON line per step of each run to this file (rank 0): loss, lr, "
+        "phase, variance updates, mean sqrt(v_hat), update RMS (benchmarks/onebit_trace.py)",
+    )
     args = ap.parse_args()
     if args.freeze_step > args.steps // 5:
         raise SystemExit(
@@ -171,7 +198,13 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    common = dict(steps=args.steps, batch=args.batch, lr=args.lr, val_batches=args.val_batches)
+    common = dict(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        val_batches=args.val_batches,
+        trace=args.trace,
+    )
     adam = train({"type": "adamw", "weight_decay": 0.0}, **common)  # type: ignore[arg-type]
     opt_cfg: dict[str, Any] = {"type": "onebit_adam", "freeze_step": args.freeze_step}
     if args.optimizer == "zero_one_adam":
