@@ -5,6 +5,7 @@ in one process (the trace reads rank 0's optimizer; the loss average is skipped 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ def _grads(steps: int) -> list[torch.Tensor]:
     return out
 
 
-def _trace(opt: torch.optim.Optimizer, p: torch.nn.Parameter, steps: int) -> list[dict]:
+def _trace(opt: torch.optim.Optimizer, p: torch.nn.Parameter, steps: int) -> list[dict[str, Any]]:
     tracer = StepTrace("x", opt, [("p", p)])
     for grad in _grads(steps):
         p.grad = grad.clone()
@@ -86,7 +87,8 @@ def test_trace_names_the_largest_update() -> None:
     a, b = _param(), _param()
     # Step 1 of Adam is lr * sign(g): b's group takes 10x the steps, reported in units of
     # the first group's lr.
-    adam = torch.optim.Adam([{"params": [a]}, {"params": [b], "lr": 1e-1}], lr=1e-2)
+    groups: list[dict[str, Any]] = [{"params": [a]}, {"params": [b], "lr": 1e-1}]
+    adam = torch.optim.Adam(groups, lr=1e-2)
     tracer = StepTrace("x", adam, [("a", a), ("b", b)])
     a.grad, b.grad = _grads(2)
     tracer.before_step()
