@@ -185,6 +185,13 @@ def main() -> None:
         "step to the weights' norm, so Adam's lr is not Lamb's",
     )
     ap.add_argument(
+        "--onebit-eps",
+        type=float,
+        default=None,
+        help="the compressed optimizer's eps (default: the optimizer's, 1e-8 as Adam's run): "
+        "a larger eps bounds the steps of elements whose frozen variance is tiny",
+    )
+    ap.add_argument(
         "--trace",
         default=None,
         help="append a JSON line per step of each run to this file (rank 0): loss, lr, "
@@ -219,6 +226,8 @@ def main() -> None:
         opt_cfg = {"type": "onebit_lamb", "bias_correction": False, "freeze_step": args.freeze_step}
     if args.onebit_lr is not None:
         common["lr"] = args.onebit_lr
+    if args.onebit_eps is not None:
+        opt_cfg["eps"] = args.onebit_eps
     onebit = train(opt_cfg, **common)  # type: ignore[arg-type]
     if dist.get_rank() == 0:
         warm = onebit["bytes_per_step"][: args.freeze_step]
@@ -230,6 +239,8 @@ def main() -> None:
             "freeze_step": args.freeze_step,
             "optimizer": args.optimizer,
             "onebit_lr": common["lr"],
+            "onebit_eps": args.onebit_eps,
+            "var_update_scaler": args.var_update_scaler,
             "params": adam["params"],
             "adam_val_loss": adam["val_loss"],
             "onebit_val_loss": onebit["val_loss"],

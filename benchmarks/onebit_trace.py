@@ -15,7 +15,8 @@ run, rank 0 appends one JSON line with
   variance update: the zero-variance mask freezes them after the freeze);
 - ``update_max``: the largest |parameter change| / lr on rank 0, ``update_max_at`` the
   parameter it is in and ``update_max_sqrt_v_hat`` that element's sqrt(v_hat);
-- ``update_median``: the median |parameter change| / lr on rank 0;
+- ``update_median``: the median |parameter change| / lr on rank 0, ``update_wild`` the
+  fraction of elements whose |change| / lr is over 10 (Adam's steps stay below about 2);
 - ``update_rms``: the RMS over all elements of rank 0's parameter change, divided by lr;
 - ``grad_ms``: the mean square over all elements of rank 0's gradient as the optimizer got
   it (Adam: averaged over the ranks; the compressed steps: rank 0's own).
@@ -156,6 +157,7 @@ class StepTrace:
                 "update_max_at": self.names[which],
                 "update_max_sqrt_v_hat": float(sqrt_v[at]),
                 "update_median": float(delta.median()) / lr if lr > 0 else math.nan,
+                "update_wild": float((delta > 10 * lr).float().mean()),
                 "update_rms": float(delta.norm()) / math.sqrt(delta.numel()) / lr
                 if lr > 0
                 else math.nan,

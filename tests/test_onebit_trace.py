@@ -85,9 +85,9 @@ def test_onebit_adam_and_adam_traces() -> None:
 
 def test_trace_names_the_largest_update() -> None:
     a, b = _param(), _param()
-    # Step 1 of Adam is lr * sign(g): b's group takes 10x the steps, reported in units of
+    # Step 1 of Adam is lr * sign(g): b's group takes 20x the steps, reported in units of
     # the first group's lr.
-    groups: list[dict[str, Any]] = [{"params": [a]}, {"params": [b], "lr": 1e-1}]
+    groups: list[dict[str, Any]] = [{"params": [a]}, {"params": [b], "lr": 2e-1}]
     adam = torch.optim.Adam(groups, lr=1e-2)
     tracer = StepTrace("x", adam, [("a", a), ("b", b)])
     a.grad, b.grad = _grads(2)
@@ -96,5 +96,6 @@ def test_trace_names_the_largest_update() -> None:
     tracer.after_step(torch.tensor(1.0))
     (record,) = tracer.records
     assert record["update_max_at"] == "b"
-    assert math.isclose(record["update_max"], 10.0, rel_tol=1e-5)
+    assert math.isclose(record["update_max"], 20.0, rel_tol=1e-5)
     assert math.isclose(record["update_median"], 1.0, rel_tol=1e-5)
+    assert math.isclose(record["update_wild"], 34 / 70, rel_tol=1e-6)  # b with a gradient
