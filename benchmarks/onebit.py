@@ -65,6 +65,20 @@ Lamb was its lr: Lamb's trust ratio sets each step to about lr * ||w|| per tenso
 lr 1e-3 plain, uncompressed Lamb is further behind (1.70x); at lr 1e-2 1-bit Lamb ends
 below Adam's loss. Adam itself was run at lr 1e-3 only. Bytes/step after the freeze:
 165,768 for 1-bit and 0/1 Adam, 164,136 for 1-bit Lamb, against 5,251,584 (1/31.7, 1/32.0).
+
+``--trace PATH`` appends one JSON line per step of each run (benchmarks/onebit_trace.py:
+loss, lr, phase, variance updates, sqrt(v_hat), update sizes). With it, 200 / 40, loaded
+machine, each run reproduced to the last digit (README, Measured -> 1-bit optimizers,
+has what the traces show):
+
+| run (200 steps, freeze 40)                             | val loss | / Adam |
+|--------------------------------------------------------|----------|--------|
+| Adam                                                   | 2.4662   | 1      |
+| 1-bit Adam                                             | 2.4964   | 1.0122 |
+| 1-bit Adam, --onebit-lr 9.12e-4                        | 2.4538   | 0.9950 |
+| 1-bit Adam, --onebit-eps 1e-5                          | 2.4836   | 1.0070 |
+| 0/1 Adam, var_update_scaler 16                         | 2.5094   | 1.0175 |
+| 0/1 Adam, var_update_scaler 16, --onebit-eps 1e-5      | 2.5214   | 1.0224 |
 """
 
 from __future__ import annotations
@@ -148,6 +162,29 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _note_variance_sampling(freeze_step: int, scaler: int) -> None:
+    """Say how evenly 0/1 Adam's variance samples the warmup (README, Measured -> 1-bit
+    optimizers: the frozen v_hat is the mean of its samples, and the doubling interval puts
+    `scaler` of them in the first `scaler` steps, where the gradients are largest)."""
+    interval, counter, samples, doublings = 1, 0, 0, 0
+    for t in range(1, freeze_step + 1):
+        if t % interval == 0:
+            samples, counter = samples + 1, counter + 1
+            if counter == scaler and t < freeze_step:  # a doubling at the last step does nothing
+                interval, counter, doublings = 2 * interval, 0, doublings + 1
+    line = (
+        f"0/1 Adam: {samples} variance samples in {freeze_step} warmup steps, "
+        f"{min(scaler, freeze_step)} of them in the first {min(scaler, freeze_step)}; "
+        f"the interval doubles {doublings} times"
+    )
+    if 3 * scaler < freeze_step:  # the second doubling, at step 3 * scaler, is in the warmup
+        line += (
+            f" (more than once: the frozen variance over-weights the first steps; "
+            f"--var-update-scaler {-(-freeze_step // 3)} or more doubles it at most once)"
+        )
+    print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -205,6 +242,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    if args.optimizer == "zero_one_adam" and dist.get_rank() == 0:
+        _note_variance_sampling(args.freeze_step, args.var_update_scaler)
     common = dict(
         steps=args.steps,
         batch=args.batch,

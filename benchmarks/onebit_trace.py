@@ -17,6 +17,8 @@ run, rank 0 appends one JSON line with
   parameter it is in and ``update_max_sqrt_v_hat`` that element's sqrt(v_hat);
 - ``update_median``: the median |parameter change| / lr on rank 0, ``update_wild`` the
   fraction of elements whose |change| / lr is over 10 (Adam's steps stay below about 2);
+- after a run's last step, one more line: ``sqrt_v_hat_by_tensor``, the mean sqrt(v_hat)
+  of each parameter then (the frozen variance of 1-bit and 0/1 Adam);
 - ``update_rms``: the RMS over all elements of rank 0's parameter change, divided by lr;
 - ``grad_ms``: the mean square over all elements of rank 0's gradient as the optimizer got
   it (Adam: averaged over the ranks; the compressed steps: rank 0's own).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -103,7 +106,7 @@ class StepTrace:
     """Collects the per-step records of one run (module docstring) and writes them on rank 0."""
 
     def __init__(
-        self, run: str, opt: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]]
+        self, run: str, opt: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]]
     ) -> None:
         self.run, self.opt = run, opt
         self.names = [n for n, _ in named]
@@ -165,9 +168,19 @@ class StepTrace:
         )
         self._before = None
 
+    def by_tensor(self) -> dict[str, Any]:
+        """The run's last record: mean sqrt(v_hat) of each parameter now (after the freeze,
+        the frozen variance), to compare optimizers tensor by tensor."""
+        flat = sqrt_v_hat_flat(self.opt, self.params)
+        means = {
+            name: float(flat[self.offsets[i] : self.offsets[i + 1]].mean())
+            for i, name in enumerate(self.names)
+        }
+        return {"run": self.run, "sqrt_v_hat_by_tensor": means}
+
     def write(self, path: str) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         with open(path, "a") as f:
-            for record in self.records:
+            for record in [*self.records, self.by_tensor()]:
                 f.write(json.dumps(record) + "\n")

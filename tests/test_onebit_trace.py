@@ -4,11 +4,15 @@ in one process (the trace reads rank 0's optimizer; the loss average is skipped 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from benchmarks.onebit import _note_variance_sampling
 from benchmarks.onebit_trace import StepTrace
 from fsdpx.onebit_adam import OneBitAdam
 from fsdpx.zero_one_adam import ZeroOneAdam
@@ -83,7 +87,7 @@ def test_onebit_adam_and_adam_traces() -> None:
     assert math.isclose(records[-1]["sqrt_v_hat"], float(v.sqrt().mean()), rel_tol=1e-6)
 
 
-def test_trace_names_the_largest_update() -> None:
+def test_trace_names_the_largest_update(tmp_path: Path) -> None:
     a, b = _param(), _param()
     # Step 1 of Adam is lr * sign(g): b's group takes 20x the steps, reported in units of
     # the first group's lr.
@@ -99,3 +103,25 @@ def test_trace_names_the_largest_update() -> None:
     assert math.isclose(record["update_max"], 20.0, rel_tol=1e-5)
     assert math.isclose(record["update_median"], 1.0, rel_tol=1e-5)
     assert math.isclose(record["update_wild"], 34 / 70, rel_tol=1e-6)  # b with a gradient
+    by_tensor = tracer.by_tensor()["sqrt_v_hat_by_tensor"]
+    for name, g in (("a", a.grad), ("b", b.grad)):  # one update: sqrt(v_hat) = |g|
+        assert g is not None
+        assert math.isclose(by_tensor[name], float(g.abs().mean()), rel_tol=1e-6)
+    tracer.write(str(tmp_path / "t.jsonl"))
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert lines == [record, tracer.by_tensor()]
+
+
+def test_benchmark_says_how_zero_one_adam_samples_the_warmup(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # DeepSpeed's default 16 at freeze 80: samples at 1..16, 18..48 by 2, 52..80 by 4.
+    _note_variance_sampling(80, 16)
+    out = capsys.readouterr().out
+    assert "40 variance samples in 80 warmup steps" in out
+    assert "doubles 2 times" in out and "--var-update-scaler 27 or more" in out
+    # 27: the second doubling would come at step 81, after the freeze.
+    _note_variance_sampling(80, 27)
+    out = capsys.readouterr().out
+    assert "54 variance samples" in out and "doubles 1 times" in out
+    assert "--var-update-scaler" not in out
