@@ -65,6 +65,20 @@ Lamb was its lr: Lamb's trust ratio sets each step to about lr * ||w|| per tenso
 lr 1e-3 plain, uncompressed Lamb is further behind (1.70x); at lr 1e-2 1-bit Lamb ends
 below Adam's loss. Adam itself was run at lr 1e-3 only. Bytes/step after the freeze:
 165,768 for 1-bit and 0/1 Adam, 164,136 for 1-bit Lamb, against 5,251,584 (1/31.7, 1/32.0).
+
+``--trace PATH`` appends one JSON line per step of each run (benchmarks/onebit_trace.py:
+loss, lr, phase, variance updates, sqrt(v_hat), update sizes). With it, 200 / 40, loaded
+machine, each run reproduced to the last digit (README, Measured -> 1-bit optimizers,
+has what the traces show):
+
+| run (200 steps, freeze 40)                             | val loss | / Adam |
+|--------------------------------------------------------|----------|--------|
+| Adam                                                   | 2.4662   | 1      |
+| 1-bit Adam                                             | 2.4964   | 1.0122 |
+| 1-bit Adam, --onebit-lr 9.12e-4                        | 2.4538   | 0.9950 |
+| 1-bit Adam, --onebit-eps 1e-5                          | 2.4836   | 1.0070 |
+| 0/1 Adam, var_update_scaler 16                         | 2.5094   | 1.0175 |
+| 0/1 Adam, var_update_scaler 16, --onebit-eps 1e-5      | 2.5214   | 1.0224 |
 """
 
 from __future__ import annotations
@@ -72,7 +86,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,9 +98,18 @@ import fsdpx
 from fsdpx.comm import comm_log
 from fsdpx.demo.gpt import GPT, GPTConfig, batches, shard_batch, stdlib_corpus
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.onebit_trace import StepTrace  # noqa: E402
+
 
 def train(
-    opt_cfg: dict[str, Any], *, steps: int, batch: int, lr: float, val_batches: int
+    opt_cfg: dict[str, Any],
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    val_batches: int,
+    trace: str | None = None,
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = fsdpx.Config.from_dict({"zero": {"stage": 0}, "optimizer": {"lr": lr, **opt_cfg}})
@@ -96,13 +121,21 @@ def train(
     train_it = batches(data[:split], batch, model_cfg.block_size, generator=_gen(1))
     per_step: list[int] = []
     losses: list[float] = []
+    tracer = None
+    if trace is not None:
+        named = list(engine.module.named_parameters())
+        tracer = StepTrace(str(opt_cfg["type"]), engine.optimizer, named)
     start = time.perf_counter()
     for _ in range(steps):
         x, y = next(train_it)
         mark = comm_log().mark()
         loss = engine(shard_batch(x, rank, world), shard_batch(y, rank, world))
         engine.backward(loss)
+        if tracer is not None:
+            tracer.before_step()
         engine.step()
+        if tracer is not None:
+            tracer.after_step(loss)
         per_step.append(comm_log().bytes_since(mark))
         losses.append(float(loss.detach()))
     seconds = time.perf_counter() - start
@@ -114,6 +147,8 @@ def train(
             x, y = next(val_it)
             total += float(engine(x, y))
     params = sum(p.numel() for p in engine.module.parameters())
+    if tracer is not None and trace is not None:
+        tracer.write(trace)
     return {
         "val_loss": total / val_batches,
         "last_train_loss": losses[-1],
@@ -143,6 +178,29 @@ def report_one(name: str, run: dict[str, Any], args: argparse.Namespace) -> None
     }
     print(f"{name} final validation loss {run['val_loss']:.4f}")
     print(json.dumps(result))
+
+
+def _note_variance_sampling(freeze_step: int, scaler: int) -> None:
+    """Say how evenly 0/1 Adam's variance samples the warmup (README, Measured -> 1-bit
+    optimizers: the frozen v_hat is the mean of its samples, and the doubling interval puts
+    `scaler` of them in the first `scaler` steps, where the gradients are largest)."""
+    interval, counter, samples, doublings = 1, 0, 0, 0
+    for t in range(1, freeze_step + 1):
+        if t % interval == 0:
+            samples, counter = samples + 1, counter + 1
+            if counter == scaler and t < freeze_step:  # a doubling at the last step does nothing
+                interval, counter, doublings = 2 * interval, 0, doublings + 1
+    line = (
+        f"0/1 Adam: {samples} variance samples in {freeze_step} warmup steps, "
+        f"{min(scaler, freeze_step)} of them in the first {min(scaler, freeze_step)}; "
+        f"the interval doubles {doublings} times"
+    )
+    if 3 * scaler < freeze_step:  # the second doubling, at step 3 * scaler, is in the warmup
+        line += (
+            f" (more than once: the frozen variance over-weights the first steps; "
+            f"--var-update-scaler {-(-freeze_step // 3)} or more doubles it at most once)"
+        )
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -188,6 +246,19 @@ def main() -> None:
         help="train only one side and print its validation loss (JSON), so the two sides can "
         "run at once on separate cores; the ratio is then taken by hand",
     )
+    ap.add_argument(
+        "--onebit-eps",
+        type=float,
+        default=None,
+        help="the compressed optimizer's eps (default: the optimizer's, 1e-8 as Adam's run): "
+        "a larger eps bounds the steps of elements whose frozen variance is tiny",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="append a JSON line per step of each run to this file (rank 0): loss, lr, "
+        "phase, variance updates, mean sqrt(v_hat), update RMS (benchmarks/onebit_trace.py)",
+    )
     args = ap.parse_args()
     if args.freeze_step > args.steps // 5:
         raise SystemExit(
@@ -196,7 +267,15 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    common = dict(steps=args.steps, batch=args.batch, lr=args.lr, val_batches=args.val_batches)
+    if args.optimizer == "zero_one_adam" and dist.get_rank() == 0:
+        _note_variance_sampling(args.freeze_step, args.var_update_scaler)
+    common = dict(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        val_batches=args.val_batches,
+        trace=args.trace,
+    )
     if args.only == "adam":
         adam = train({"type": "adamw", "weight_decay": 0.0}, **common)  # type: ignore[arg-type]
         report_one("adamw", adam, args)
@@ -217,6 +296,8 @@ def main() -> None:
         opt_cfg = {"type": "onebit_lamb", "bias_correction": False, "freeze_step": args.freeze_step}
     if args.onebit_lr is not None:
         common["lr"] = args.onebit_lr
+    if args.onebit_eps is not None:
+        opt_cfg["eps"] = args.onebit_eps
     onebit = train(opt_cfg, **common)  # type: ignore[arg-type]
     if args.only == "compressed":
         report_one(args.optimizer, onebit, args)
@@ -232,6 +313,8 @@ def main() -> None:
             "freeze_step": args.freeze_step,
             "optimizer": args.optimizer,
             "onebit_lr": common["lr"],
+            "onebit_eps": args.onebit_eps,
+            "var_update_scaler": args.var_update_scaler,
             "params": adam["params"],
             "adam_val_loss": adam["val_loss"],
             "onebit_val_loss": onebit["val_loss"],
