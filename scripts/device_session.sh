@@ -65,7 +65,7 @@ cpu_part() {
     quiet 12-15 onebit_zero_one_adam "${ONEBIT_TIMEOUT:-420}" python3 -m torch.distributed.run \
         --standalone --nproc_per_node=4 --master_port=29951 benchmarks/onebit.py $onebit \
         --only compressed --optimizer zero_one_adam \
-        --var-update-scaler "${ONEBIT_VAR_UPDATE_SCALER:-32}" &
+        --var-update-scaler "${ONEBIT_VAR_UPDATE_SCALER:-64}" &
     wait
     # The monitor following 4,096 simulated ranks live (relay, publishers and TUI on 4 cores).
     quiet 12-15 monitor_cpu "${MONITOR_TIMEOUT:-120}" python3 benchmarks/monitor_cpu.py \
