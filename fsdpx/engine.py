@@ -26,10 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from fsdpx.checkpoint.saving import Checkpointer
 from fsdpx.config import Config
 from fsdpx.distributed import guarded
-from fsdpx.export import save_full_model
 from fsdpx.optimizer_step import OptimizerStep, PlainStep
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.precision import LossScaler, autocast_context, grads_have_overflow
@@ -39,6 +37,8 @@ from fsdpx.tensor_parallel import loss_context, plain_loss
 from fsdpx.zero import prepare_micro_step
 
 if TYPE_CHECKING:
+    from fsdpx.checkpoint.saving import Checkpointer
+
     # torch.distributed.pipelining pulls in torch._dynamo and sympy (~30 MiB, seconds):
     # imported only by runs that pipeline (fsdpx/parallelize.py).
     from fsdpx.pipeline_parallel import PipelineRunner
@@ -104,7 +104,7 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._checkpointer = Checkpointer.from_config(cfg)
+        self._checkpointer_made: Checkpointer | None = None  # see _checkpointer
         self._last_grad_norm: float | None = None
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         # How the optimizer steps ([Note: step strategies] in fsdpx/optimizer_step.py):
@@ -373,6 +373,8 @@ class Engine:
                 "save_16bit_model under pipeline parallelism: each stage holds part of the "
                 "model; use save_checkpoint, then `fsdpx-ckpt consolidate` for the full weights"
             )
+        from fsdpx.export import save_full_model  # [Note: engine imports on first use]
+
         return save_full_model(
             self.module,
             save_dir,
@@ -406,6 +408,24 @@ class Engine:
     # --- checkpoints (fsdpx/checkpoint; format: checkpoint_tools/FORMAT.md) ---------------
 
     _COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
+
+    @property
+    def _checkpointer(self) -> Checkpointer:
+        """The engine's Checkpointer, made on first use.
+
+        [Note: engine imports on first use] The checkpoint package (checkpoint_tools'
+        format, msgpack, zstandard, the shuffle kernels) and the safetensors export are
+        imported when a save or load first needs them, not with the engine: an engine that
+        never checkpoints, such as `fsdpx.hf.from_pretrained`'s, does not pay their ~1.5
+        MiB of resident memory (benchmarks/hf.py --part load measures each rank's RSS
+        growth against 0.6x the model). Making the Checkpointer later changes nothing
+        else: it only holds options until its first save (its process group is made
+        then too)."""
+        if self._checkpointer_made is None:
+            from fsdpx.checkpoint.saving import Checkpointer
+
+            self._checkpointer_made = Checkpointer.from_config(self.config)
+        return self._checkpointer_made
 
     @guarded
     def save_checkpoint(
@@ -494,6 +514,8 @@ class Engine:
     @guarded
     def wait_for_checkpoint(self) -> Path | None:
         """Block until an asynchronous save in flight is committed; raise its error."""
+        if self._checkpointer_made is None:  # nothing was ever saved
+            return None
         return self._checkpointer.wait()
 
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -72,7 +72,7 @@ from fsdpx.moe.parallel import (
     shard_experts,
 )
 from fsdpx.moe.plan import apply_moe_plan
-from fsdpx.offload import offload_policy
+from fsdpx.offload.build import offload_policy
 from fsdpx.optimizers import EXCHANGING_OPTIMIZERS
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_split import merged_view

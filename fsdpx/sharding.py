@@ -14,6 +14,7 @@ module has another name.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -25,9 +26,8 @@ from fsdpx.blocks import find_blocks
 from fsdpx.config import Config
 from fsdpx.distributed import init_distributed, set_process_group_timeouts
 from fsdpx.engine import Engine
-from fsdpx.offload import build_offload, check_offload
-from fsdpx.onebit_adam import OneBitAdam
-from fsdpx.onebit_lamb import OneBitLamb
+from fsdpx.offload.build import build_offload
+from fsdpx.offload.plan import check_offload
 from fsdpx.optim import build_optimizer
 from fsdpx.parallel_dims import ParallelDims
 from fsdpx.parallelize import parallelize
@@ -38,9 +38,29 @@ from fsdpx.sequence.hf_model import is_hf_model
 from fsdpx.sequence.plan import build_sequence_plan, check_sequence_config
 from fsdpx.telemetry.start import start_telemetry
 from fsdpx.zero import dims_for_stage
-from fsdpx.zero_one_adam import ZeroOneAdam
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
+
+
+# The optimizers that exchange gradients themselves: (module, class) of each.
+_EXCHANGING = (
+    ("fsdpx.onebit_adam", "OneBitAdam"),
+    ("fsdpx.zero_one_adam", "ZeroOneAdam"),
+    ("fsdpx.onebit_lamb", "OneBitLamb"),
+)
+
+
+def _exchanges_gradients(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` is one of the 1-bit optimizers, which `attach` to the model.
+
+    Only their modules already imported are asked: an instance of one exists only once its
+    module has been imported (by `build_optimizer` or by the caller), and importing them
+    here would load them and the 1-bit all-reduce for every model (~1 MiB of resident
+    memory per rank; [Note: onebit on first use] in fsdpx/comm/__init__.py)."""
+    return any(
+        (module := sys.modules.get(name)) is not None and isinstance(opt, getattr(module, cls))
+        for name, cls in _EXCHANGING
+    )
 
 
 def shard(
@@ -133,8 +153,8 @@ def shard(
     opt = offloaded.optimizer
     if opt is None:
         opt = optimizer(groups) if callable(optimizer) else build_optimizer(groups, cfg.optimizer)
-    if isinstance(opt, OneBitAdam | ZeroOneAdam | OneBitLamb):
-        opt.attach(cast(nn.Module, sharded))
+    if _exchanges_gradients(opt):
+        opt.attach(cast(nn.Module, sharded))  # type: ignore[attr-defined]
     try:
         sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
         return Engine(

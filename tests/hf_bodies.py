@@ -38,12 +38,37 @@ def sample_ids(seed: int = 3, batch: int = 2, seq: int = 12) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=g)
 
 
+# Modules the load path must not import ([Note: engine imports on first use] in
+# fsdpx/engine.py, [Note: offload imports on first use], [Note: onebit on first use]).
+DEFERRED_MODULES = (
+    "checkpoint_tools",
+    "msgpack",  # (not zstandard: transformers' own imports load it)
+    "fsdpx.checkpoint",
+    "fsdpx.export",
+    "fsdpx.comm.onebit",
+    "fsdpx.onebit_adam",
+    "fsdpx.onebit_lamb",
+    "fsdpx.zero_one_adam",
+    "fsdpx.offload.optimizer",
+    "fsdpx.offload.nvme",
+)
+
+
+def deferred_imported() -> list[str]:
+    """The DEFERRED_MODULES this process has imported."""
+    import sys
+
+    return sorted(
+        m for m in sys.modules if any(m == d or m.startswith(d + ".") for d in DEFERRED_MODULES)
+    )
+
+
 def load_and_save(
     rank: int, world_size: int, jobs: list[tuple[str, str | None, dict[str, Any]]]
 ) -> list[dict[str, Any]]:
-    """For each (src, out, cfg): from_pretrained under cfg, logits of sample_ids, and
-    save_pretrained to out when given. One spawn for several loads (transformers imports
-    are slow)."""
+    """For each (src, out, cfg): from_pretrained under cfg, logits of sample_ids, the
+    DEFERRED_MODULES imported by then, and save_pretrained to out when given. One spawn
+    for several loads (transformers imports are slow)."""
     return [_load_one(*job) for job in jobs]
 
 
@@ -61,10 +86,11 @@ def _load_one(src: str, out: str | None, cfg_dict: dict[str, Any]) -> dict[str, 
         logits = engine(sample_ids()).logits
     if not isinstance(logits, torch.Tensor) or hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()  # type: ignore[union-attr]
+    deferred = deferred_imported()  # before save_pretrained, which needs fsdpx.export
     if out is not None:
         engine.save_pretrained(out)
     tied = engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
-    return {"logits": logits.detach().clone(), "info": info, "tied": tied}
+    return {"logits": logits.detach().clone(), "info": info, "tied": tied, "deferred": deferred}
 
 
 def data_bytes(path: Path) -> int:
@@ -123,8 +149,9 @@ def _peak_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def load_peak_rss(rank: int, world_size: int, src: str) -> dict[str, int]:
-    """Peak RSS growth of this rank while from_pretrained loads `src` under ZeRO-3."""
+def load_peak_rss(rank: int, world_size: int, src: str) -> dict[str, Any]:
+    """Peak RSS growth of this rank while from_pretrained loads `src` under ZeRO-3, and
+    the DEFERRED_MODULES it imported (this is a fresh spawned process)."""
     import gc
 
     from transformers import LlamaForCausalLM
@@ -143,4 +170,10 @@ def load_peak_rss(rank: int, world_size: int, src: str) -> dict[str, int]:
     )
     peak = _peak_bytes()
     shard = sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())
-    return {"growth": peak - before, "shard": shard, "bytes_read": info["bytes_read"]}
+    imported = deferred_imported()
+    return {
+        "growth": peak - before,
+        "shard": shard,
+        "bytes_read": info["bytes_read"],
+        "deferred_imported": imported,
+    }

@@ -53,6 +53,10 @@ def test_zero3_two_ranks_read_only_their_bytes_and_save_loads_in_transformers(
         # Under ZeRO-3 every tensor is split on dim 0: together the ranks read each data
         # byte exactly once (the tied embedding is stored once), nothing twice.
         assert sum(r["info"]["bytes_read"] - headers for r in results) == data
+    # The first load in each fresh rank process imported none of the modules fsdpx defers
+    # to first use (checkpoint format, export, offload, 1-bit); the save after it then
+    # imported what it needs.
+    assert all(r[0]["deferred"] == [] for r in per_rank), [r[0]["deferred"] for r in per_rank]
 
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
@@ -77,7 +81,8 @@ def test_each_rank_peak_rss_while_loading_stays_near_its_shard(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """A ~335 MB model loads under ZeRO-3 on 2 ranks: each rank's peak RSS grows by its
-    shard (about half) plus working memory, far below the full model."""
+    shard (about half) plus working memory, far below the full model; and the load path
+    imports none of the modules fsdpx defers to first use (checkpoints, offload, 1-bit)."""
     from transformers import LlamaForCausalLM
 
     from tests.hf_bodies import big_llama_config, load_peak_rss
@@ -93,3 +98,4 @@ def test_each_rank_peak_rss_while_loading_stays_near_its_shard(
         # Its shard, plus 64 MiB of interpreter / allocator working memory.
         assert r["growth"] < r["shard"] + 64 * 2**20, (r, full)
         assert r["growth"] < 0.6 * full
+        assert r["deferred_imported"] == [], r["deferred_imported"]

@@ -10,6 +10,8 @@ the slot: `fsdpx.comm.fsdp_all_reduce` counts it (and times its wait on CPU) fro
 edges and FSDP's all-reduce hook; `fsdpx.comm.fsdp_events` times FSDP's waits on CUDA.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from fsdpx.comm.counted import (
     CommLog,
     CommRecord,
@@ -18,12 +20,29 @@ from fsdpx.comm.counted import (
     all_to_all_single,
     comm_log,
 )
-from fsdpx.comm.onebit import (
-    OneBitState,
-    compressed_all_reduce,
-    padded_numel,
-    take_over_gradient_exchange,
-)
+
+# [Note: onebit on first use] The 1-bit all-reduce is imported when one of its names is
+# first asked for (PEP 562), not with the package: fsdpx.zero imports this package for
+# every sharded model, and only the 1-bit optimizers use `onebit` (its import is ~1 MiB of
+# a rank's resident memory, which benchmarks/hf.py --part load counts).
+_ONEBIT = ("OneBitState", "compressed_all_reduce", "padded_numel", "take_over_gradient_exchange")
+
+if TYPE_CHECKING:
+    from fsdpx.comm.onebit import (
+        OneBitState,
+        compressed_all_reduce,
+        padded_numel,
+        take_over_gradient_exchange,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ONEBIT:
+        from fsdpx.comm import onebit
+
+        return getattr(onebit, name)
+    raise AttributeError(f"module 'fsdpx.comm' has no attribute {name!r}")
+
 
 __all__ = [
     "CommLog",

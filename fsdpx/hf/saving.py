@@ -19,7 +19,6 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from fsdpx.export import save_full_model
 from fsdpx.hf.checkpoint_files import model_tensors
 
 __all__ = ["save_pretrained"]
@@ -50,6 +49,10 @@ def save_pretrained(
 
         engine.save_pretrained("out/model")   # then AutoModelForCausalLM.from_pretrained
     """
+    # Imported here: `import fsdpx.hf` (every from_pretrained) would otherwise load the
+    # checkpoint format package with it ([Note: engine imports on first use]).
+    from fsdpx.export import save_full_model
+
     module = _unwrap(model)
     out = Path(save_directory)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

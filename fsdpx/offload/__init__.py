@@ -11,9 +11,39 @@ fsdpx.shard and fsdpx.estimate read zero.offload_optimizer / zero.offload_param 
 through the plan.
 """
 
-from fsdpx.offload.build import OffloadBuild, build_offload, fsdp_offload_policy, offload_policy
-from fsdpx.offload.optimizer import OffloadedAdamW
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fsdpx.offload.plan import OffloadPlan, check_offload, resolve_offload
+
+# [Note: offload imports on first use] The offloaded optimizer (host and NVMe state
+# stores, swap files, and through them the checkpoint package) is imported when a name
+# of it is first asked for (PEP 562) or when build_offload builds one: fsdpx.shard reads
+# the plan for every model, and a model that offloads nothing does not pay those modules'
+# resident memory (~1.5 MiB per rank, which benchmarks/hf.py --part load counts).
+_LAZY = {
+    "OffloadBuild": "fsdpx.offload.build",
+    "build_offload": "fsdpx.offload.build",
+    "fsdp_offload_policy": "fsdpx.offload.build",
+    "offload_policy": "fsdpx.offload.build",
+    "OffloadedAdamW": "fsdpx.offload.optimizer",
+}
+
+if TYPE_CHECKING:
+    from fsdpx.offload.build import (
+        OffloadBuild,
+        build_offload,
+        fsdp_offload_policy,
+        offload_policy,
+    )
+    from fsdpx.offload.optimizer import OffloadedAdamW
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fsdpx.offload' has no attribute {name!r}")
+
 
 __all__ = [
     "OffloadBuild",

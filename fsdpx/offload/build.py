@@ -13,11 +13,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from fsdpx.config import Config, OptimizerConfig
 from fsdpx.dtensor import to_local as local
-from fsdpx.offload.nvme_nodes import check_nvme_nodes
-from fsdpx.offload.optimizer import OffloadedAdamW
 from fsdpx.offload.pin import host_pin
 from fsdpx.offload.plan import OffloadPlan, resolve_offload
-from fsdpx.offload.step import OffloadedStep
 from fsdpx.optim import AdamW
 from fsdpx.optimizer_step import OptimizerStep
 from fsdpx.optimizers import OPTIMIZERS
@@ -74,6 +71,11 @@ def build_offload(
     """
     if plan.steps_in_place and plan.params == "device":
         return OffloadBuild(None, None)
+    # Only a plan that offloads gets here ([Note: offload imports on first use]).
+    from fsdpx.offload.nvme_nodes import check_nvme_nodes
+    from fsdpx.offload.optimizer import OffloadedAdamW
+    from fsdpx.offload.step import OffloadedStep
+
     o = optimizer
     decoupled = OPTIMIZERS[o.type].decoupled_weight_decay
     assert decoupled is not None  # check_offload refused non-Adam optimizers
