@@ -28,7 +28,9 @@ rate, but we time the ``dd`` process from outside like the aio call (process sta
 ~1 ms, noise at these sizes).
 
 Quantization: ``--quant-mb`` of float32 (block size 2048) through the native op and the
-reference; GB/s counts bytes read plus bytes written (float32 in, 1 byte + scales out).
+reference; GB/s counts bytes read plus bytes written (float32 in, 1 byte (int4: half a
+byte) + scales out). ``accumulate_*`` is qgZ's fused ``acc += dequantize(q)`` (float32 acc
+read and written, the payload read) against the reference's dequantize-then-add.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from fsdpx.ops import quant
+from fsdpx.ops import quant, quant_int4
 from fsdpx.ops._loader import load_ops
 from fsdpx.ops.aio import AioPool, aligned_empty
 
@@ -145,7 +147,8 @@ def bench_quant(size_mb: int, repeats: int, block_size: int = 2048) -> dict[str,
             quant.dequantize_fp8_reference,
         ),
     ]
-    moved = n * 4 + n + (n // block_size) * 4  # fp32 in, 1 byte + scales out (and back)
+    scales = (n // block_size) * 4
+    moved = n * 4 + n + scales  # fp32 in, 1 byte + scales out (and back)
     for name, q_native, q_ref, dq_native, dq_ref in cases:
         q, s = q_native(x, block_size=block_size)
         for side, qf, dqf in (("native", q_native, dq_native), ("reference", q_ref, dq_ref)):
@@ -153,6 +156,31 @@ def bench_quant(size_mb: int, repeats: int, block_size: int = 2048) -> dict[str,
             t_dq = _best(functools.partial(dqf, q, s, block_size=block_size), repeats)
             out[f"quantize_{name}_{side}"] = moved / t_q / 1e9
             out[f"dequantize_{name}_{side}"] = moved / t_dq / 1e9
+    q4 = quant_int4
+    p, s4 = q4.quantize_int4(x, block_size=block_size)
+    moved4 = n * 4 + n // 2 + scales
+    for side, qf4, dqf4 in (
+        ("native", q4.quantize_int4, q4.dequantize_int4),
+        ("reference", q4.quantize_int4_reference, q4.dequantize_int4_reference),
+    ):
+        t_q = _best(functools.partial(qf4, x, block_size=block_size), repeats)
+        t_dq = _best(functools.partial(dqf4, p, s4, numel=n, block_size=block_size), repeats)
+        out[f"quantize_int4_{side}"] = moved4 / t_q / 1e9
+        out[f"dequantize_int4_{side}"] = moved4 / t_dq / 1e9
+    q8, s8 = quant.quantize_int8(x, block_size=block_size)
+    acc = torch.zeros(n)
+    for side, a8, a4 in (
+        ("native", quant.dequantize_accumulate_int8, q4.dequantize_accumulate_int4),
+        (
+            "reference",
+            quant.dequantize_accumulate_int8_reference,
+            q4.dequantize_accumulate_int4_reference,
+        ),
+    ):
+        t8 = _best(functools.partial(a8, acc, q8, s8, block_size=block_size), repeats)
+        t4 = _best(functools.partial(a4, acc, p, s4, block_size=block_size), repeats)
+        out[f"accumulate_int8_{side}"] = (n * 8 + n + scales) / t8 / 1e9
+        out[f"accumulate_int4_{side}"] = (n * 8 + n // 2 + scales) / t4 / 1e9
     return out
 
 
@@ -225,7 +253,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "thread(s) (GB/s moved)"
     )
     print(f"{'':20s}{'native':>8s}{'ref':>8s}{'ratio':>8s}")
-    for op in ("quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8"):
+    for op in (
+        "quantize_int8",
+        "dequantize_int8",
+        "quantize_fp8",
+        "dequantize_fp8",
+        "quantize_int4",
+        "dequantize_int4",
+        "accumulate_int8",
+        "accumulate_int4",
+    ):
         q[f"ratio_{op}"] = q[f"{op}_native"] / q[f"{op}_reference"]
         print(f"{op:20s}{q[f'{op}_native']:8.2f}{q[f'{op}_reference']:8.2f}{q[f'ratio_{op}']:8.2f}")
     return {**res, **q}

@@ -124,7 +124,16 @@ def test_ops_aio_script_runs(tmp_path: Path) -> None:
         "read, page cache both",
     ):
         _line(rf"{label}\s+{NUM}\s+{NUM}\s+{NUM}", out)  # aio, dd, aio/dd
-    for op in ("quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8"):
+    for op in (
+        "quantize_int8",
+        "dequantize_int8",
+        "quantize_fp8",
+        "dequantize_fp8",
+        "quantize_int4",
+        "dequantize_int4",
+        "accumulate_int8",
+        "accumulate_int4",
+    ):
         _line(rf"{op}\s+{NUM}\s+{NUM}\s+{NUM}", out)  # native, reference, ratio
 
 

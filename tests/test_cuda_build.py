@@ -35,5 +35,14 @@ def test_cuda_sources_compile() -> None:
     assert re.search(r"check_cuda_build: OK, compiled \d+ sources in [\d.]+ s", out), out[-3000:]
     with_kernel = re.search(r"ops with a CUDA kernel: (.*)", out)
     assert with_kernel, out[-3000:]
-    for op in ("quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8"):
+    for op in (
+        "quantize_int8",
+        "dequantize_int8",
+        "quantize_fp8",
+        "dequantize_fp8",
+        "quantize_int4",
+        "dequantize_int4",
+        "dequantize_accumulate_int8",
+        "dequantize_accumulate_int4",
+    ):
         assert f"fsdpx::{op}" in with_kernel.group(1).split()

@@ -1,6 +1,6 @@
 """ZeRO++'s comm slot on CUDA (one device, NCCL, one rank): the quantized all-gather and
-reduce-scatter run the CUDA quant kernels (int8 / fp8) and the ATen int4 path on the
-device, and give the same bits as the CPU references.
+reduce-scatter run the CUDA quant kernels (int8 / fp8 / int4, and the fused
+dequantize-accumulate) on the device, and give the same bits as the CPU references.
 
 With one rank the collectives move nothing, so what is checked is the device side: the
 payload layout, the kernels and the fp32 accumulation, bitwise against the CPU.
@@ -24,7 +24,7 @@ from fsdpx.ops.quant import (
     quantize_fp8_reference,
     quantize_int8_reference,
 )
-from fsdpx.ops.quant_int4 import dequantize_int4, quantize_int4
+from fsdpx.ops.quant_int4 import dequantize_int4_reference, quantize_int4_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -78,6 +78,6 @@ def test_qgz_reduce_scatter_on_cuda_matches_cpu(nccl: dist.ProcessGroup, bits: i
         q, s = quantize_int8_reference(x, block_size=128)
         expected = dequantize_int8_reference(q, s, block_size=128)
     else:
-        p, s = quantize_int4(x, block_size=128)
-        expected = dequantize_int4(p, s, numel=x.numel(), block_size=128)
+        p, s = quantize_int4_reference(x, block_size=128)
+        expected = dequantize_int4_reference(p, s, numel=x.numel(), block_size=128)
     assert torch.equal(_bits(out), _bits(expected))

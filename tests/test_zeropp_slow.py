@@ -2,7 +2,8 @@
 checkpointing, the two-level qgZ and CPU offload on 4 gloo ranks against the
 single-process reference, and convergence of the example GPT (benchmarks/zeropp.py, 300
 steps, 4 ranks, 3 seeds). Their default-tier twins are in
-tests/test_zeropp.py (2-rank parity and bytes, the 4-rank hpZ payload check)."""
+tests/test_zeropp.py (2-rank parity and bytes) and tests/test_zeropp_4ranks.py (the
+4-rank hpZ payload check, qwZ under PP)."""
 
 from __future__ import annotations
 

@@ -174,9 +174,7 @@ def hpz_payloads(rank: int, world: int, block_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    import fsdpx
     from fsdpx.comm import fsdp_slot
-    from tests.parity import global_batches, make_model, shard_batch
 
     wire: list[tuple[torch.dtype, int, int]] = []
     asked: list[tuple[torch.Tensor, Any]] = []
@@ -193,6 +191,18 @@ def hpz_payloads(rank: int, world: int, block_size: int) -> dict[str, Any]:
 
     dist.all_gather_single = spy_ag  # type: ignore[assignment]
     fsdp_slot.QuantizedAllGather.__call__ = spy_call  # type: ignore[method-assign,assignment]
+    try:
+        _hpz_step(rank, world, block_size)
+    finally:  # the same spawn goes on with other runs (four_ranks)
+        dist.all_gather_single = real_ag  # type: ignore[assignment]
+        fsdp_slot.QuantizedAllGather.__call__ = real_call  # type: ignore[method-assign]
+    return {"wire": wire, "asked": asked}
+
+
+def _hpz_step(rank: int, world: int, block_size: int) -> None:
+    import fsdpx
+    from tests.parity import global_batches, make_model, shard_batch
+
     cfg = fsdpx.Config.from_dict(
         {
             "zero": {
@@ -208,7 +218,49 @@ def hpz_payloads(rank: int, world: int, block_size: int) -> dict[str, Any]:
     loss = engine(shard_batch(x, rank, world), shard_batch(y, rank, world))
     engine.backward(loss)
     engine.step()
-    return {"wire": wire, "asked": asked}
+
+
+PP_GAS = 2
+PP_BASE: dict[str, Any] = {
+    "mesh": {"pp": 2},  # x dp_shard 2 on 4 ranks
+    "pipeline": {"schedule": "1F1B"},
+}
+
+
+def pp_qwz(rank: int, world: int) -> dict[str, Any]:
+    """qwZ under pipeline parallelism (pp 2 x dp 2, ZeRO-3 over dp in each stage), through
+    tests/tp_bodies.fsdpx_run: one step from exactly representable weights (block size 1)
+    with and without qwZ, and 3 steps of qwZ from the usual initialisation; with the
+    per-call records of each run."""
+    from tests import tp_bodies as tb
+
+    def exact_model() -> Any:
+        model = tb.make_model()
+        _exact_init(model, seed=5)
+        return model
+
+    base = tb.base_cfg(PP_GAS, **PP_BASE)
+    runs = {
+        "plain_exact": (base, 1, exact_model),
+        "qwz_exact": (
+            {**base, "zero": {"quantized_weights": True, "quantization_block_size": 1}},
+            1,
+            exact_model,
+        ),
+        "qwz": ({**base, "zero": {"quantized_weights": True}}, tb.STEPS, tb.make_model),
+    }
+    out: dict[str, Any] = {}
+    for name, (cfg, steps, make) in runs.items():
+        mark = comm_log().mark()
+        result = tb.fsdpx_run(cfg, steps=steps, make=make)
+        result["calls"] = [(r.kind, r.bytes_sent) for r in comm_log().since(mark)]
+        out[name] = result
+    return out
+
+
+def four_ranks(rank: int, world: int, block_size: int) -> dict[str, Any]:
+    """The 4-rank ZeRO++ checks of the default tier in one spawn: hpZ payloads, qwZ + PP."""
+    return {"hpz": hpz_payloads(rank, world, block_size), "pp": pp_qwz(rank, world)}
 
 
 def hierarchical(rank: int, world: int) -> dict[str, Any]:

@@ -22,8 +22,9 @@ output numel, ``b`` = block size, ``W`` = group size):
   with the same weights. Bytes sent: ``(W - 1) * (n + 4 * ceil(n / b))``.
 * qgZ reduce-scatter: each of the ``W`` pieces of the input is quantized on its own and
   sent by one ``all_to_all_single`` of ``W`` payloads ``[q | scales]`` (int8: ``m`` bytes;
-  int4: ``ceil(m / 2)``); the receiver dequantizes the ``W`` pieces it got to float32 and
-  sums them in rank order, then divides by ``W`` for AVG. Bytes sent:
+  int4: ``ceil(m / 2)``); the receiver sums the ``W`` pieces it got, dequantized, into a
+  float32 buffer in rank order (the fused ``dequantize_accumulate_int8`` / ``_int4``
+  kernels), then divides by ``W`` for AVG. Bytes sent:
   ``(W - 1) * (qbytes(m) + 4 * ceil(m / b))``. Or ZeRO++'s two-level scheme
   (``zero.quantized_gradients_hierarchical``: fsdpx/comm/qgz_hier.py, its formats, bytes
   and bound). Under HSDP FSDP's cross-replica all-reduce of the reduced shard is not in
@@ -86,8 +87,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 
 from fsdpx.comm import counted, fsdp_all_reduce, fsdp_events, qgz_hier
 from fsdpx.comm.fsdp_all_reduce import AllReduceTimer
-from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
-from fsdpx.ops.quant_int4 import dequantize_int4, packed_int4_bytes, quantize_int4
+from fsdpx.ops.quant import (
+    dequantize_accumulate_int8,
+    dequantize_fp8,
+    dequantize_int8,
+    quantize_fp8,
+    quantize_int8,
+)
+from fsdpx.ops.quant_int4 import dequantize_accumulate_int4, packed_int4_bytes, quantize_int4
 from fsdpx.telemetry.phases import COMM_WAIT, phase_clock
 
 WeightFormat = Literal["int8", "fp8"]
@@ -310,13 +317,16 @@ class QuantizedReduceScatter(_MarksAllReduce, _Alloc, ReduceScatter):
             rows.append(torch.cat([q, scales.view(torch.uint8)]))
         return torch.stack(rows)
 
-    def dequantize_row(self, row: Tensor, m: int) -> Tensor:
-        """One received ``[q | scales]`` payload row back to ``m`` float32 values."""
-        qb = self.qbytes(m)
+    def accumulate_row(self, acc: Tensor, row: Tensor) -> None:
+        """Add one received ``[q | scales]`` payload row, dequantized, to the float32 ``acc``
+        (``m`` contiguous values): the fused native kernel, same bits as ``acc += dequantize``."""
+        qb = self.qbytes(acc.numel())
         scales = _scales_of(row[qb:])
         if self.bits == 8:
-            return dequantize_int8(row[:qb].view(torch.int8), scales, block_size=self.block_size)
-        return dequantize_int4(row[:qb], scales, numel=m, block_size=self.block_size)
+            q = row[:qb].view(torch.int8)
+            dequantize_accumulate_int8(acc, q, scales, block_size=self.block_size)
+        else:
+            dequantize_accumulate_int4(acc, row[:qb], scales, block_size=self.block_size)
 
     def __call__(
         self,
@@ -336,8 +346,8 @@ class QuantizedReduceScatter(_MarksAllReduce, _Alloc, ReduceScatter):
             recv = torch.empty_like(send)
             counted.all_to_all_single(recv.view(-1), send.view(-1), group=group)
             acc = torch.zeros(m, dtype=torch.float32, device=output_tensor.device)
-            for r in range(w):
-                acc += self.dequantize_row(recv[r], m)
+            for r in range(w):  # sum in rank order
+                self.accumulate_row(acc, recv[r])
             if avg:
                 acc /= w
             output_tensor.copy_(acc)

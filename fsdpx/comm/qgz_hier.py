@@ -187,13 +187,13 @@ def reduce_two_level(
     partial = torch.zeros(n_nodes, m, dtype=torch.float32, device=output.device)
     for src in range(local):  # sum in local-rank order
         for node in range(n_nodes):
-            partial[node] += slot.dequantize_row(rows[src, node], m)
+            slot.accumulate_row(partial[node], rows[src, node])
     send2 = slot.payloads(partial.view(-1), n_nodes)  # (N, P)
     recv2 = torch.empty_like(send2)
     counted.all_to_all_single(recv2.view(-1), send2.view(-1), group=g.inter)
     acc = torch.zeros(m, dtype=torch.float32, device=output.device)
     for node in range(n_nodes):  # sum in node order
-        acc += slot.dequantize_row(recv2[node], m)
+        slot.accumulate_row(acc, recv2[node])
     if avg:
         acc /= n_nodes * local
     output.copy_(acc)

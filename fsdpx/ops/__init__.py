@@ -5,11 +5,12 @@
 - `fsdpx.ops.lamb`: `lamb_step`, DeepSpeed's Lamb in two passes (`lamb_moments`,
   `lamb_apply`; CPU), the trust ratio's norms summed over a sharded tensor's shards between.
 - `fsdpx.ops.aio`: asynchronous file reads/writes into host tensors.
-- `fsdpx.ops.quant`: blockwise int8 / fp8 quantization.
+- `fsdpx.ops.quant`: blockwise int8 / fp8 quantization, and qgZ's fused dequantize-accumulate
+  (`dequantize_accumulate_int8`).
 - `fsdpx.ops.shuffle`: byte shuffle / unshuffle fused with CRC-32 for checkpoint chunks
   (`checkpoint_kernels()` is what the checkpoint runtime injects into the format).
-- `fsdpx.ops.quant_int4`: blockwise int4, two values per byte (ATen ops only, no native
-  kernel: [Note: int4 has no native kernel]).
+- `fsdpx.ops.quant_int4`: blockwise int4, two values per byte, and its dequantize-accumulate
+  (native CPU / CUDA kernels: [Note: int4 kernels]).
 
 Schemas live in csrc/schemas.cpp (`TORCH_LIBRARY(fsdpx, m)`), kernels in csrc/*.cpp (CPU) and
 csrc/cuda/ (CUDA). The library is built on first use into a per-user cache (see
@@ -27,8 +28,14 @@ from fsdpx.ops._loader import OpsStatus, load_cuda_ops, load_ops
 from fsdpx.ops.adam import adam_step, adam_step_reference
 from fsdpx.ops.aio import AioError, AioHandle, AioPool, aligned_empty
 from fsdpx.ops.lamb import lamb_step
-from fsdpx.ops.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
-from fsdpx.ops.quant_int4 import dequantize_int4, quantize_int4
+from fsdpx.ops.quant import (
+    dequantize_accumulate_int8,
+    dequantize_fp8,
+    dequantize_int8,
+    quantize_fp8,
+    quantize_int8,
+)
+from fsdpx.ops.quant_int4 import dequantize_accumulate_int4, dequantize_int4, quantize_int4
 
 __all__ = [
     "AioError",
@@ -38,6 +45,8 @@ __all__ = [
     "adam_step",
     "adam_step_reference",
     "aligned_empty",
+    "dequantize_accumulate_int4",
+    "dequantize_accumulate_int8",
     "dequantize_fp8",
     "dequantize_int4",
     "dequantize_int8",

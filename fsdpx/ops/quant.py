@@ -38,11 +38,15 @@ holds (``qmax`` = 127 or 448; ``2**-149`` is the smallest subnormal float32).
 Gloo has no float8 collectives: send fp8 payloads as ``q.view(torch.uint8)`` and view them
 back with ``.view(torch.float8_e4m3fn)`` (a free reinterpretation, no copy).
 
+``dequantize_accumulate_int8(acc, q, scales)`` is the fused ``acc += dequantize_int8(q,
+scales)`` into a float32 buffer (the product rounded to float32, then the sum: the same
+two roundings, so the same bits, as the unfused pair, without the temporary).
+
 Callers: ZeRO++ in FSDP's comm slot (``fsdpx/comm/fsdp_slot.py``): qwZ quantizes each
 module's all-gather input with ``quantize_int8`` / ``quantize_fp8`` and dequantizes every
-rank's piece on arrival; qgZ's int8 path quantizes each reduce-scatter piece and
-dequantizes what it receives to float32 before summing. The int4 format of qgZ lives in
-``fsdpx/ops/quant_int4.py``. ``benchmarks/ops_aio.py`` times these kernels.
+rank's piece on arrival; qgZ's int8 path quantizes each reduce-scatter piece and sums what
+it receives into a float32 buffer with ``dequantize_accumulate_int8``. The int4 format of
+qgZ lives in ``fsdpx/ops/quant_int4.py``. ``benchmarks/ops_aio.py`` times these kernels.
 
 Example:
     >>> x = torch.randn(10_000)
@@ -64,6 +68,8 @@ from torch import Tensor
 from fsdpx.ops._loader import load_cuda_ops, load_ops
 
 __all__ = [
+    "dequantize_accumulate_int8",
+    "dequantize_accumulate_int8_reference",
     "dequantize_fp8",
     "dequantize_fp8_reference",
     "dequantize_int8",
@@ -210,6 +216,26 @@ def _register_fakes() -> None:
     def _(q: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
         return q.new_empty(q.shape, dtype=dtype)
 
+    @torch.library.register_fake("fsdpx::quantize_int4")
+    def _(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+        n_blocks = (x.numel() + block_size - 1) // block_size
+        packed = x.new_empty(((x.numel() + 1) // 2,), dtype=torch.uint8)
+        return packed, x.new_empty((n_blocks,), dtype=torch.float32)
+
+    @torch.library.register_fake("fsdpx::dequantize_int4")
+    def _(
+        packed: Tensor, scales: Tensor, numel: int, block_size: int, dtype: torch.dtype
+    ) -> Tensor:
+        return packed.new_empty((numel,), dtype=dtype)
+
+    @torch.library.register_fake("fsdpx::dequantize_accumulate_int8")
+    def _(acc: Tensor, q: Tensor, scales: Tensor, block_size: int) -> None:
+        return None
+
+    @torch.library.register_fake("fsdpx::dequantize_accumulate_int4")
+    def _(acc: Tensor, packed: Tensor, scales: Tensor, block_size: int) -> None:
+        return None
+
 
 def quantize_int8(x: Tensor, *, block_size: int) -> tuple[Tensor, Tensor]:
     """Quantize ``x`` to int8 with one float32 scale per block (see the module docstring).
@@ -310,3 +336,50 @@ def dequantize_fp8(
         out: Tensor = torch.ops.fsdpx.dequantize_fp8(q, scales, block_size, dtype)
         return out
     return _dequantize_reference(q, scales, block_size, dtype)
+
+
+def _check_accumulator(acc: Tensor, numel: int) -> None:
+    """``acc`` must be a contiguous float32 tensor of ``numel`` elements (what it sums into)."""
+    if acc.dtype != torch.float32 or not acc.is_contiguous() or acc.numel() != numel:
+        raise ValueError(
+            f"expected a contiguous float32 accumulator of {numel} elements, got a "
+            f"{'contiguous' if acc.is_contiguous() else 'non-contiguous'} {acc.dtype} tensor "
+            f"of {acc.numel()}; sum into a torch.zeros(numel) buffer"
+        )
+
+
+def dequantize_accumulate_int8_reference(
+    acc: Tensor, q: Tensor, scales: Tensor, *, block_size: int
+) -> None:
+    """Pure-PyTorch :func:`dequantize_accumulate_int8`: ``acc += dequantize_int8(q, scales)``."""
+    _check_dequant(q, scales, block_size, torch.int8, torch.float32)
+    _check_accumulator(acc, q.numel())
+    acc += _dequantize_reference(q, scales, block_size, torch.float32).view(acc.shape)
+
+
+def dequantize_accumulate_int8(acc: Tensor, q: Tensor, scales: Tensor, *, block_size: int) -> None:
+    """``acc += dequantize_int8(q, scales, block_size=block_size)`` in one pass, in place.
+
+    Bitwise equal to the unfused pair (module docstring); qgZ sums what every rank sent
+    with it.
+
+    Args:
+        acc: contiguous float32 tensor with ``q.numel()`` elements (any shape; the sum runs
+            over the flattened elements).
+        q: int8 tensor from :func:`quantize_int8`.
+        scales: its float32 scales.
+        block_size: the block size used to quantize.
+
+    Example:
+        >>> acc = torch.ones(2)
+        >>> q, s = quantize_int8(torch.tensor([1.0, -2.0]), block_size=2)
+        >>> dequantize_accumulate_int8(acc, q, s, block_size=2)
+        >>> acc.tolist()
+        [2.007874011993408, -1.0]
+    """
+    _check_dequant(q, scales, block_size, torch.int8, torch.float32)
+    _check_accumulator(acc, q.numel())
+    if _native(q.device.type):
+        torch.ops.fsdpx.dequantize_accumulate_int8(acc, q, scales, block_size)
+        return
+    dequantize_accumulate_int8_reference(acc, q, scales, block_size=block_size)

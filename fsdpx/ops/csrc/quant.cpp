@@ -2,124 +2,30 @@
 // (scale = absmax / 448), one fp32 scale per `block_size` consecutive elements of the
 // flattened input, the last block partial. The contract (rounding, non-finite blocks, error
 // bound) is written once, in fsdpx/ops/quant.py; its pure-PyTorch reference is the spec and
-// this kernel is bitwise equal to it. Schemas are in schemas.cpp.
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <tuple>
-
-// Runtime CPU dispatch, as in adam.cpp: the per-block loops are GCC target_clones functions
-// (AVX-512, AVX2, SSE2 baseline) and the dynamic loader picks one for the running CPU. IEEE
-// division, min/max and the rounding below give the same bits at every vector width.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FSDPX_QUANT_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FSDPX_QUANT_CLONES
-#endif
+// this kernel is bitwise equal to it. Schemas are in schemas.cpp; the per-block driver is
+// shared with the int4 kernels (quant_int4.cpp) in quant_common.h.
+#include "quant_common.h"
 
 namespace fsdpx::quant {
 namespace {
 
 constexpr float kInt8Max = 127.0f;
 constexpr float kFp8Max = 448.0f;
-// Adding then subtracting 1.5 * 2^23 rounds |y| < 2^22 to the nearest integer, ties to even
-// (the hardware's default mode), exactly like torch.round. Unlike std::nearbyint it
-// vectorises with plain SSE2, which is all a build without -march flags may assume.
-constexpr float kRoundMagic = 12582912.0f;
-// Elements per parallel task: small enough to use every core on a 1M-element bucket, big
-// enough that the scheduling cost is noise.
-constexpr int64_t kGrainElements = 1 << 16;
 
-inline uint32_t bits_of(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof(b));
-  return b;
-}
-
-inline float float_of(uint32_t b) {
-  float v;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
-}
-
-struct BlockStats {
-  float absmax;
-  bool finite;
-};
-
-// |x| of a non-NaN float orders like its bit pattern, so the max is taken on integers: a
-// float max reduction does not vectorise without -ffast-math, an integer one does. Any
-// exponent of all ones (inf or NaN) marks the block non-finite.
-template <typename scalar_t>
-FSDPX_QUANT_CLONES BlockStats block_stats(const scalar_t* x, int64_t n) {
-  uint32_t amax = 0;
-  uint32_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = bits_of(static_cast<float>(x[i])) & 0x7fffffffu;
-    amax = b > amax ? b : amax;
-    bad |= static_cast<uint32_t>(b >= 0x7f800000u);
-  }
-  return {float_of(amax), bad == 0};
-}
-
-int64_t num_blocks(int64_t numel, int64_t block_size) {
-  return (numel + block_size - 1) / block_size;
-}
-
-void check_input(const at::Tensor& x, int64_t block_size, const char* op) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": expected a CPU tensor, got device ", x.device());
-  TORCH_CHECK(
-      x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-          x.scalar_type() == at::kHalf,
-      op, ": expected float32, bfloat16 or float16 input, got ", x.scalar_type());
-  TORCH_CHECK(block_size > 0, op, ": block_size must be positive, got ", block_size);
-}
-
-// Shared driver of both formats: `store(x, n, divisor, q)` writes one finite block.
+// The one-byte formats: q has x's shape.
 template <typename q_t, typename Store>
-std::tuple<at::Tensor, at::Tensor> quantize_blocks(
+std::tuple<at::Tensor, at::Tensor> quantize_bytes(
     const at::Tensor& input, int64_t block_size, float qmax, at::ScalarType q_dtype,
     Store store) {
   const at::Tensor x = input.contiguous();
-  const int64_t n = x.numel();
-  const int64_t nb = num_blocks(n, block_size);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(q_dtype));
-  at::Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
-  float* s_ptr = scales.data_ptr<float>();
+  at::Tensor scales =
+      at::empty({num_blocks(x.numel(), block_size)}, x.options().dtype(at::kFloat));
   q_t* q_ptr = static_cast<q_t*>(q.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / block_size);
-  const auto dtype = x.scalar_type();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "fsdpx_quantize", [&] {
-    const scalar_t* x_ptr = x.data_ptr<scalar_t>();
-    at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t start = b * block_size;
-        const int64_t len = std::min(block_size, n - start);
-        const BlockStats st = block_stats(x_ptr + start, len);
-        if (!st.finite) {
-          // Non-finite blocks are poisoned, not clipped: the NaN scale makes the whole block
-          // dequantize to NaN so an overflow check downstream (loss scaling) still fires.
-          s_ptr[b] = std::numeric_limits<float>::quiet_NaN();
-          std::memset(q_ptr + start, 0, len * sizeof(q_t));
-          continue;
-        }
-        const float scale = st.absmax / qmax;
-        s_ptr[b] = scale;
-        // A zero scale (all zeros, or an absmax so small that absmax / qmax underflows)
-        // divides by one instead, which rounds every element to (signed) zero.
-        store(x_ptr + start, len, scale == 0.0f ? 1.0f : scale, q_ptr + start);
-      }
-    });
-  });
+  quantize_blocks(
+      x, block_size, qmax, scales.data_ptr<float>(),
+      [&](const auto* p, int64_t len, float d, int64_t start) { store(p, len, d, q_ptr + start); },
+      [&](int64_t start, int64_t len) { std::memset(q_ptr + start, 0, len * sizeof(q_t)); });
   return {q, scales};
 }
 
@@ -167,14 +73,14 @@ FSDPX_QUANT_CLONES void store_fp8(const scalar_t* __restrict x, int64_t n, float
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x, int64_t block_size) {
   check_input(x, block_size, "fsdpx::quantize_int8");
-  return quantize_blocks<int8_t>(
+  return quantize_bytes<int8_t>(
       x, block_size, kInt8Max, at::kChar,
       [](auto* p, int64_t n, float d, int8_t* q) { store_int8(p, n, d, q); });
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_cpu(const at::Tensor& x, int64_t block_size) {
   check_input(x, block_size, "fsdpx::quantize_fp8");
-  return quantize_blocks<c10::Float8_e4m3fn>(
+  return quantize_bytes<c10::Float8_e4m3fn>(
       x, block_size, kFp8Max, at::kFloat8_e4m3fn,
       [](auto* p, int64_t n, float d, c10::Float8_e4m3fn* q) { store_fp8(p, n, d, q); });
 }

@@ -35,6 +35,19 @@ TORCH_LIBRARY(fsdpx, m) {
   m.def("dequantize_int8(Tensor q, Tensor scales, int block_size, ScalarType dtype) -> Tensor");
   m.def("quantize_fp8(Tensor x, int block_size) -> (Tensor, Tensor)");
   m.def("dequantize_fp8(Tensor q, Tensor scales, int block_size, ScalarType dtype) -> Tensor");
+  // fsdpx/ops/quant_int4.py: packed int4 (uint8 of ceil(numel / 2) bytes, even block_size);
+  // dequantize_int4 returns the first `numel` values, 1-D.
+  m.def("quantize_int4(Tensor x, int block_size) -> (Tensor, Tensor)");
+  m.def(
+      "dequantize_int4(Tensor packed, Tensor scales, int numel, int block_size, "
+      "ScalarType dtype) -> Tensor");
+  // qgZ's fused sum: acc (contiguous float32) += dequantize(q, scales) elementwise.
+  m.def(
+      "dequantize_accumulate_int8(Tensor(a!) acc, Tensor q, Tensor scales, int block_size) "
+      "-> ()");
+  m.def(
+      "dequantize_accumulate_int4(Tensor(a!) acc, Tensor packed, Tensor scales, "
+      "int block_size) -> ()");
   // fsdpx/ops/shuffle.py (contract: checkpoint_tools/format/kernels.py). Byte shuffle of
   // `size`-byte elements into planes, returning each wanted plane's CRC-32 (int64, else 0);
   // the inverse from per-plane tensors (None: leave those bytes), CRCs when `crc`; CRC-32.
