@@ -102,6 +102,16 @@ class _Loader:
         local = to_local(target).detach()
         if local.numel() == 0:
             return
+        if (
+            local.device.type == "cpu"
+            and local.is_contiguous()
+            and local.dtype == self.reader.info(name).dtype
+        ):
+            # [Note: decoding into the destination]: no copy; the chunks decode on the
+            # reader's threads while later tensors are queued, load() waits for them all.
+            self.touched = True  # written in place: a failure leaves it partly overwritten
+            self.reader.read_into(name, local, offsets, wait=False)
+            return
         data = self.reader.read(name, offsets, shape)
         self.touched = True
         with torch.no_grad():
@@ -383,6 +393,7 @@ def load(
                 size=size,
                 masters=masters,
             )
+            reader.wait()  # every in-place read done (and checked) before anything uses it
         if isinstance(owner, ExternalState):
             owner.after_load()
         stored = sum(rf.data_size + rf.index_size for rf in reader.rank_files)
