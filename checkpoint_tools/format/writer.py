@@ -43,6 +43,7 @@ from checkpoint_tools.format.layout import (
 )
 from checkpoint_tools.format.root import fsync_dir, fsync_file
 from checkpoint_tools.format.routing import ROUTING_MINOR, build_routing
+from checkpoint_tools.format.writeback import WRITEBACK_BYTES, start_writeback
 
 _Inflight = tuple[
     "Future[tuple[codec.Encoded, np.ndarray]]", list[list[int]], int, Callable[[], None] | None
@@ -140,6 +141,7 @@ class RankWriter:
         header = DATA_HEADER.pack(DATA_MAGIC, FORMAT_MAJOR, BASE_MINOR, 0, self._file_id)
         self._f.write(header)
         self._pos = len(header)
+        self._synced = 0  # bytes [0, _synced) were handed to start_writeback
 
     def add(
         self,
@@ -264,6 +266,10 @@ class RankWriter:
             self._minor = max(self._minor, 1)
         chunks.append([self._pos, enc.size, nbytes, enc.crc, enc.codec])
         self._pos += enc.size
+        if self._pos - self._synced >= 2 * WRITEBACK_BYTES:  # [Note: early writeback]
+            self._f.flush()
+            start_writeback(self._f.fileno(), self._synced, WRITEBACK_BYTES)
+            self._synced += WRITEBACK_BYTES
         if written is not None:
             written()
 
