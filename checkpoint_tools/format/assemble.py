@@ -1,5 +1,23 @@
 """Assembling rectangles from verified chunk frames: the data path of CheckpointReader
 (which pieces to read is reader.py's business; this module decodes them into the output).
+
+[Note: decoding into the destination]
+A load used to decode each tensor into a fresh output (`read`), then copy it into the
+model's shard: for a 3.6 GB state on one rank that is 3.6 GB of first-touch page faults
+(outputs above the allocator's mmap threshold are fresh pages every time) plus a 3.6 GB
+copy, both on the main thread while the decode threads waited for it, and at every
+tensor's end the threads drained. `read_into(name, out, wait=False)` decodes the chunks
+that lie whole in the rectangle straight into `out` (the shard's own memory) on the
+worker threads and returns; the loader queues every tensor this way and waits once at
+the end, so the threads never drain between tensors and the main thread does nothing
+but queue. Only the rectangle's edge chunks go through the one-chunk cache (on the
+calling thread); a contiguous rectangle is one span (slabs would cut a chunk at every
+slab boundary). Nothing about checking changes: every frame's CRC is checked before it
+is decoded, and an error is raised by `wait()`, after which `out` may hold part of the
+data (the loader then says the state is partly overwritten, as for any failed load).
+Measured at 100M fp32 parameters, 1 rank x 2 threads, load average 20-26: load CPU
+1.17-1.24 -> 0.91-0.99 s, the main
+thread's share 0.38 -> 0.02 s (README, Measured).
 """
 
 from __future__ import annotations
@@ -206,7 +224,8 @@ class ChunkAssembler:
         native kernels release the GIL), so reading one chunk overlaps decoding another.
         Memory: per thread one stored and one planes buffer of a chunk. Partial chunks
         (the edges of a rectangle) go through the shared one-chunk cache on the calling
-        thread."""
+        thread. With `defer` the futures go to `_pending` instead of being waited for
+        ([Note: decoding into the destination])."""
         if self.threads == 1 or (len(jobs) < 2 and not defer):
             for k, out in jobs:
                 self._decode(meta, piece, k, out)
