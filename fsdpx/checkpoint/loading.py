@@ -104,6 +104,7 @@ class _Loader:
             return
         if (
             local.device.type == "cpu"
+            and tuple(local.shape) == tuple(shape)
             and local.is_contiguous()
             and local.dtype == self.reader.info(name).dtype
         ):
@@ -380,19 +381,25 @@ def load(
         owner = external_state_owner(model, optimizer)
         with reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
-            result, rng = _apply(
-                loader,
-                model,
-                optimizer,
-                lr_scheduler,
-                loss_scaler,
-                load_optimizer_states=load_optimizer_states,
-                load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only,
-                rank=rank,
-                size=size,
-                masters=masters,
-            )
+            try:
+                result, rng = _apply(
+                    loader,
+                    model,
+                    optimizer,
+                    lr_scheduler,
+                    loss_scaler,
+                    load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only,
+                    rank=rank,
+                    size=size,
+                    masters=masters,
+                )
+            except BaseException:
+                # No in-place read may still write once the view closes (NVMe state may
+                # be its swap file): close() waits for them, keeping this error.
+                reader.close()
+                raise
             reader.wait()  # every in-place read done (and checked) before anything uses it
         if isinstance(owner, ExternalState):
             owner.after_load()
