@@ -16,7 +16,6 @@ nothing happens: it is only a hint, like posix_fadvise.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 from collections.abc import Callable
@@ -31,7 +30,7 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's symbols: libc's included
         fn = libc.sync_file_range
     except (OSError, AttributeError):
         return None
