@@ -7,7 +7,8 @@
   calls really run in parallel), next to a pure-Python control that holds the GIL;
 * index reading: what opening a checkpoint and locating one rank's pieces costs with a
   synthetic 1,024-rank index (`--ranks`, `--pieces` per rank), when every index is read
-  (format 1.1) and with the 1.2 tensor table (`--only index` runs just this part).
+  (format 1.1) and with the 1.2 tensor table (`--only index` runs just this part;
+  `--only gil` just the GIL check, which also decodes chunks as the reader threads do).
 
     python benchmarks/checkpoint_codec.py            # ~1 min on 2 busy cores
 """
@@ -132,18 +133,40 @@ def gil_table(chunk: int, level: int, jobs: int) -> None:
         for _ in range(jobs):
             codec.encode(raw, 4, cctx, native, scratch)
 
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    enc = codec.encode(raw, 4, cctx, native, np.empty_like(raw))
+    stored = memoryview(b"".join(bytes(p) for p in enc.parts))
+
+    def decode_work() -> None:  # what a load's reader threads run: CRC, zstd, unshuffle
+        dst, planes = np.empty_like(raw), np.empty_like(raw)
+        for _ in range(jobs):
+            codec.decode_into(
+                stored,
+                enc.codec,
+                4,
+                dst,
+                planes,
+                kernels=native,
+                expected_crc=enc.crc,
+                path=Path("x"),
+                tensor="x",
+                offset=0,
+            )
+
     def python_work() -> None:  # holds the GIL: the control
         x = 0
         for i in range(3_000_000):
             x += i
 
     print(
-        f"GIL: {jobs} chunk encodes per thread, 2 threads at once; process CPU seconds / wall "
+        f"GIL: {jobs} chunk encodes (decodes) per thread, 2 threads at once; process CPU "
+        "seconds / wall "
         "seconds (above 1.0 only if both threads ran at the same time; a busy machine lowers "
         "both rows alike):"
     )
     for label, work in (
         ("encode (1.1, native)", encode_work),
+        ("decode (1.1, native)", decode_work),
         ("pure Python (control)", python_work),
     ):
         ratios = []
@@ -261,13 +284,16 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--pieces", type=int, default=100)
-    ap.add_argument("--only", choices=["index"], help="run only this part")
+    ap.add_argument("--only", choices=["index", "gil"], help="run only this part")
     args = ap.parse_args()
     torch.set_num_threads(1)
     chunk = args.chunk_mib << 20
     print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} (shared)")
     if args.only == "index":
         index_table(args.ranks, args.pieces)
+        return
+    if args.only == "gil":
+        gil_table(chunk, args.level, args.jobs)
         return
     kernels_table(chunk)
     chunk_table(chunk, args.level)

@@ -21,7 +21,11 @@ Each dtype runs twice in one process: with the work format 1.0 did (every byte p
 through zstd, numpy shuffle, zlib CRC) and as the writer runs now (format 1.1 byte
 planes, the native shuffle+CRC op when built).
 
-    python benchmarks/checkpoint_profile.py --params-m 10 [--dtype bf16] [--threads 1]
+`--load` also reads the new writer's files back the way the runtime loads a CPU state
+(`read_into` straight into preallocated tensors, [Note: decoding into the destination]),
+timing pread, CRC, zstd and unshuffle (CPU seconds of all threads).
+
+    python benchmarks/checkpoint_profile.py --params-m 10 [--dtype bf16] [--threads 1] [--load]
 """
 
 from __future__ import annotations
@@ -41,7 +45,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint_tools.format.writer as writer_mod  # noqa: E402
-from checkpoint_tools.format import RankWriter, codec  # noqa: E402
+from checkpoint_tools.format import (  # noqa: E402
+    CheckpointReader,
+    RankWriter,
+    codec,
+    files,
+    write_manifest,
+)
 from checkpoint_tools.format.kernels import NumpyKernels  # noqa: E402
 from fsdpx.ops.shuffle import checkpoint_kernels  # noqa: E402
 
@@ -67,7 +77,7 @@ class TimedKernels:
     def __init__(self, inner: Any) -> None:
         self.name = inner.name
         self.shuffle_crc = timed("shuffle+CRC", inner.shuffle_crc)
-        self.unshuffle_crc = inner.unshuffle_crc
+        self.unshuffle_crc = timed("unshuffle", inner.unshuffle_crc)
         self.crc32 = timed("CRC", inner.crc32)
         self.crc32_combine = timed("CRC", inner.crc32_combine)
 
@@ -98,7 +108,9 @@ def state(params: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     }
 
 
-def profile(params: int, dtype: torch.dtype, threads: int, directory: Path, old: bool) -> None:
+def profile(
+    params: int, dtype: torch.dtype, threads: int, directory: Path, old: bool
+) -> dict[str, Any]:
     seconds.clear()
     tensors = state(params, dtype)
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -138,6 +150,40 @@ def profile(params: int, dtype: torch.dtype, threads: int, directory: Path, old:
     )
     for s, v in rows:
         print(f"  {s:12s} {v:7.2f} s  {100 * v / total:5.1f}%")
+    return info
+
+
+def load_profile(
+    directory: Path, info: dict[str, Any], params: int, dtype: torch.dtype, threads: int
+) -> None:
+    """Read back what profile() wrote, as the runtime loads a CPU state: straight into
+    preallocated tensors (`read_into`, chunks queued across tensors), on `threads`."""
+    write_manifest(directory, world_size=1, rank_files=[info], state={})
+    seconds.clear()
+    outs = {name: torch.empty(params, dtype=dtype) for name in state(0, dtype)}
+    for t in outs.values():
+        t.fill_(0)  # first-touch page faults happen here, not in the timed load
+    real_stored, real_decompress = files.DataFiles.stored, codec._decompress
+    files.DataFiles.stored = timed("pread+CRC", real_stored)  # type: ignore[method-assign]
+    codec._decompress = timed("zstd", real_decompress)  # type: ignore[assignment]
+    try:
+        kernels = TimedKernels(checkpoint_kernels())
+        t0, c0 = time.perf_counter(), time.process_time()
+        with CheckpointReader(directory, kernels=kernels, threads=threads) as r:  # type: ignore[arg-type]
+            for name, out in outs.items():
+                r.read_into(name, out, wait=False)
+            r.wait()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        files.DataFiles.stored, codec._decompress = real_stored, real_decompress  # type: ignore[method-assign,assignment]
+    pread = seconds["pread+CRC"] - seconds["CRC"]  # the CRC runs inside stored()
+    rows = [("pread", pread), ("CRC", seconds["CRC"]), ("zstd", seconds["zstd"])]
+    rows += [("unshuffle", seconds["unshuffle"])]
+    rows += [("other CPU", max(cpu - sum(v for _, v in rows), 0.0))]
+    total = sum(v for _, v in rows)
+    print(f"load (read_into, threads {threads}): wall {wall:.2f} s, process CPU {cpu:.2f} s")
+    for stage, v in rows:
+        print(f"  {stage:12s} {v:7.2f} s  {100 * v / total:5.1f}%")
 
 
 def main() -> None:
@@ -146,6 +192,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--load", action="store_true", help="also profile reading it back")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} (shared)")
@@ -155,7 +202,10 @@ def main() -> None:
     for dtype in dtypes:
         for old in (True, False):
             with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-                profile(int(args.params_m * 1e6), dtype, args.threads, Path(tmp), old)
+                params = int(args.params_m * 1e6)
+                info = profile(params, dtype, args.threads, Path(tmp), old)
+                if args.load and not old:
+                    load_profile(Path(tmp), info, params, dtype, args.threads)
 
 
 if __name__ == "__main__":

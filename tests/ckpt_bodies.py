@@ -409,20 +409,23 @@ def one_rank_fails_body(rank: int, world_size: int, root: str) -> dict[str, Any]
     out["dirs"] = sorted(p.name for p in Path(root).iterdir())
 
     real_read = load_mod.CheckpointReader.read
+    real_read_into = load_mod.CheckpointReader.read_into
 
     def broken_read(self: Any, name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise load_mod.CheckpointCorruptError(
             "chunk checksum mismatch (injected on rank 1)", path="x.data", tensor=name, offset=7
         )
 
-    if rank == 1:
+    if rank == 1:  # read_into: CPU shards decode in place
         load_mod.CheckpointReader.read = broken_read
+        load_mod.CheckpointReader.read_into = broken_read  # type: ignore[assignment]
     try:
         engine.load_checkpoint(root)
     except Exception as exc:
         out["load"] = (type(exc).__name__, str(exc), getattr(exc, "offset", None))
     finally:
         load_mod.CheckpointReader.read = real_read
+        load_mod.CheckpointReader.read_into = real_read_into  # type: ignore[method-assign]
 
     return out
 

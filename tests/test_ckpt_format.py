@@ -250,6 +250,35 @@ def test_threads_write_identical_files(tmp_path: Path) -> None:
         RankWriter(tmp_path / "bad", 0, threads=0)
 
 
+def test_early_writeback_asks_for_finished_stretches_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    import checkpoint_tools.format.writer as writer_mod
+    from checkpoint_tools.format.writeback import start_writeback
+
+    calls: list[tuple[int, int, bool]] = []
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        ok = start_writeback(fd, offset, nbytes)
+        calls.append((offset, nbytes, ok))
+        return ok
+
+    monkeypatch.setattr(writer_mod, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(writer_mod, "start_writeback", spy)
+    t = torch.arange(6000, dtype=torch.float32)  # 6 chunks of 4000 bytes after the header
+    w = RankWriter(tmp_path, 0, compression="none", chunk_bytes=4000, file_id=b"x" * 16)
+    w.add("model/t", t, global_shape=t.shape, offsets=(0,))
+    write_manifest(tmp_path, world_size=1, rank_files=[w.close()], state={})
+    # One stretch per chunk written, each ending >= 1000 bytes before the bytes written
+    # by then (32 + 4000 k), in order: the kernel is asked only for finished bytes.
+    linux = sys.platform.startswith("linux")
+    assert calls == [(1000 * k, 1000, linux) for k in range(6)]
+    assert torch.equal(CheckpointReader(tmp_path).read("model/t"), t)
+    assert start_writeback(0, 0, 0) is False  # nothing to write: not asked
+
+
 def test_state_round_trip(tmp_path: Path) -> None:
     state = {
         "step": 3,

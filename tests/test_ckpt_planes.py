@@ -291,6 +291,40 @@ def test_parallel_reads_and_pipelined_writes_give_the_same_tensors(tmp_path: Pat
         CheckpointReader(tmp_path / "3", threads=0)
 
 
+def test_read_into_decodes_in_place_and_wait_collects_deferred_chunks(tmp_path: Path) -> None:
+    t = weights(60_000).reshape(300, 200)
+    u = weights(9_000, seed=1).to(torch.bfloat16)
+    w = RankWriter(tmp_path, 0, chunk_bytes=4000, threads=2, file_id=b"t" * 16)
+    w.add("model/t", t, global_shape=t.shape, offsets=(0, 0))
+    w.add("model/u", u, global_shape=u.shape, offsets=(0,))
+    write_manifest(tmp_path, world_size=1, rank_files=[w.close()], state={})
+    with CheckpointReader(tmp_path, threads=3) as r:
+        rows, cols, whole = torch.zeros(250, 200), torch.zeros(250, 190), torch.zeros_like(u)
+        r.read_into("model/t", rows, (7, 0), wait=False)  # chunks left to the workers
+        r.read_into("model/t", cols, (7, 3), wait=False)  # strided: decoded before return
+        r.read_into("model/u", whole, wait=False)
+        r.wait()
+        assert torch.equal(rows, t[7:257]) and torch.equal(cols, t[7:257, 3:193])
+        assert torch.equal(whole, u)
+        for bad, found in (
+            (torch.zeros(250, 200, dtype=torch.float64), "torch.float64 on cpu"),
+            (torch.zeros(200, 250).t(), "contiguous=False"),
+            (torch.zeros(250, 200, requires_grad=True), "requires_grad=True"),
+        ):
+            with pytest.raises(ValueError, match=f"dtype torch.float32 .*got .*{found}"):
+                r.read_into("model/t", bad)
+    data = tmp_path / "rank-00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # the last chunk of model/u
+    data.write_bytes(bytes(raw))
+    with CheckpointReader(tmp_path, threads=3) as r:
+        out = torch.zeros_like(u)
+        r.read_into("model/u", out, wait=False)  # the damage surfaces in wait()
+        with pytest.raises(CheckpointCorruptError, match="fails its CRC-32 check"):
+            r.wait()
+        r.wait()  # reported once; nothing left pending
+
+
 if __name__ == "__main__":  # regenerate: python -m tests.test_ckpt_planes
     shutil.rmtree(GOLDEN / "planes", ignore_errors=True)
     write_golden_planes(GOLDEN / "planes")

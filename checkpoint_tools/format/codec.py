@@ -31,6 +31,7 @@ then the zstd planes are decompressed and all planes unshuffled in one pass.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +214,18 @@ def _decode_planes(
     kernels.unshuffle_crc(given, dst, False)  # all planes at once: whole-element stores
 
 
+_local = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor (one may not be used by two threads at once); reused,
+    so each plane does not allocate a fresh decompression context."""
+    dctx: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
 def _decompress(
     frame: memoryview, target: np.ndarray, corrupt: Callable[[str], CheckpointCorruptError]
 ) -> None:
@@ -226,7 +239,7 @@ def _decompress(
         raise corrupt(f"zstd frame declares {shown} of content, the index declares {len(target)}")
     got = 0
     try:
-        with zstandard.ZstdDecompressor().stream_reader(frame, read_size=len(frame)) as r:
+        with _dctx().stream_reader(frame, read_size=len(frame)) as r:
             view = target.data
             while got < len(target):
                 k = r.readinto(view[got:])

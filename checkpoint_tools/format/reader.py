@@ -12,7 +12,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from checkpoint_tools.format import codec, parts
-from checkpoint_tools.format.assemble import ChunkAssembler
+from checkpoint_tools.format.assemble import ChunkAssembler, check_destination
 from checkpoint_tools.format.coverage import Box, blocks, numel, uncovered
 from checkpoint_tools.format.errors import (
     CheckpointCorruptError,
@@ -90,6 +90,7 @@ class CheckpointReader(ChunkAssembler):
         self.directory = Path(directory)
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
         self._local = threading.local()
         self.kernels = kernels if kernels is not None else DEFAULT_KERNELS
         if not self.directory.is_dir():
@@ -285,6 +286,37 @@ class CheckpointReader(ChunkAssembler):
             self._fill(meta, want, out)
         return out
 
+    def read_into(
+        self,
+        name: str,
+        out: torch.Tensor,
+        offsets: Sequence[int] | None = None,
+        *,
+        wait: bool = True,
+    ) -> None:
+        """Read the rectangle at `offsets` (default: the origin) with `out`'s shape
+        straight into `out`, a contiguous CPU tensor of the tensor's dtype: no output
+        allocation and no copy ([Note: decoding into the destination]).
+
+        With `wait=False` (and `threads` > 1) the chunks that decode whole into `out` are
+        left to the worker threads and the call returns; `wait()` waits for all of them
+        and raises the first error. `out` must not be used before then. On an error,
+        `out` may hold part of the rectangle.
+
+        Raises:
+            ValueError: `out` is not a contiguous CPU tensor of the tensor's dtype, or
+                the rectangle does not fit the tensor.
+            CheckpointCorruptError: a chunk fails its checksum or does not decode.
+        """
+        check_destination(name, out, self.info(name).dtype)
+        shape = tuple(out.shape)
+        meta = self.pieces_for(name, offsets, shape)
+        want = self._rectangle(meta, offsets, shape)
+        if out.numel():
+            self._fill(meta, want, out, defer=not wait)
+        if wait:
+            self.wait()
+
     def _rectangle(
         self, info: TensorInfo, offsets: Sequence[int] | None, shape: Sequence[int] | None
     ) -> Box:
@@ -376,7 +408,12 @@ class CheckpointReader(ChunkAssembler):
                     progress(chunk.stored_size)
 
     def close(self) -> None:
-        """Close the data files opened by reads (reading again reopens them)."""
+        """Close the data files opened by reads (reading again reopens them). Reads
+        started with `wait=False` are waited for first (their errors are not raised:
+        call `wait()` for them)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.exception()
         self._data.close()
         self._cache = None
         self._local = threading.local()  # drops this thread's buffers; workers' go with the pool

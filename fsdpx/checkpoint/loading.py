@@ -102,6 +102,17 @@ class _Loader:
         local = to_local(target).detach()
         if local.numel() == 0:
             return
+        if (
+            local.device.type == "cpu"
+            and tuple(local.shape) == tuple(shape)
+            and local.is_contiguous()
+            and local.dtype == self.reader.info(name).dtype
+        ):
+            # [Note: decoding into the destination]: no copy; the chunks decode on the
+            # reader's threads while later tensors are queued, load() waits for them all.
+            self.touched = True  # written in place: a failure leaves it partly overwritten
+            self.reader.read_into(name, local, offsets, wait=False)
+            return
         data = self.reader.read(name, offsets, shape)
         self.touched = True
         with torch.no_grad():
@@ -370,19 +381,26 @@ def load(
         owner = external_state_owner(model, optimizer)
         with reader, external_state_view(owner) as masters:
             loader = _Loader(reader, path, partial)
-            result, rng = _apply(
-                loader,
-                model,
-                optimizer,
-                lr_scheduler,
-                loss_scaler,
-                load_optimizer_states=load_optimizer_states,
-                load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only,
-                rank=rank,
-                size=size,
-                masters=masters,
-            )
+            try:
+                result, rng = _apply(
+                    loader,
+                    model,
+                    optimizer,
+                    lr_scheduler,
+                    loss_scaler,
+                    load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only,
+                    rank=rank,
+                    size=size,
+                    masters=masters,
+                )
+            except BaseException:
+                # No in-place read may still write once the view closes (NVMe state may
+                # be its swap file): close() waits for them, keeping this error.
+                reader.close()
+                raise
+            reader.wait()  # every in-place read done (and checked) before anything uses it
         if isinstance(owner, ExternalState):
             owner.after_load()
         stored = sum(rf.data_size + rf.index_size for rf in reader.rank_files)

@@ -179,10 +179,15 @@ def _write_rank_file(plan: _Plan, temp: Path, rank: int, options: SaveOptions) -
         level=options.level,
         threads=options.threads,
         kernels=checkpoint_kernels(),  # [Note: codec injection]
+        # [Note: deferred pieces]: the encode window spans tensors, so the threads do not
+        # drain at every tensor's end. Safe: nothing changes the pieces before close()
+        # (a synchronous save blocks training; an async one writes its snapshot).
+        defer=True,
     )
     try:
         for p in plan.pieces:
-            # One tensor at a time in host memory (a no-op for CPU tensors and snapshots).
+            # A few tensors at a time in host memory (only those with chunks in flight;
+            # no copy for CPU tensors and snapshots).
             writer.add(p.name, p.tensor.cpu(), global_shape=p.global_shape, offsets=p.offsets)
         return writer.close()
     except BaseException:
