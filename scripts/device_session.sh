@@ -3,11 +3,10 @@
 # split so the CPU benchmarks run quiet beside the GPU work:
 #
 #   cores 0-3    the `gpu` tests, then the GPU benchmark rows (scripts/gpu_checks.sh,
-#                scripts/gpu_benchmarks.sh)
-#   cores 4-7    checkpoint save / load against DCP (scripts/quiet_benchmarks.sh's runs)
-#   cores 8-15   0/1 Adam against Adam (two runs at once, 4 single-threaded gloo ranks
-#                each), then the long-sequence per-token step times (4 ranks, 1 core each)
-#                beside the monitor following 4,096 simulated ranks
+#                scripts/gpu_benchmarks.sh), then the monitor following 4,096 simulated ranks
+#   cores 4-7    checkpoint save / load against DCP (scripts/quiet_benchmarks.sh's runs),
+#                then the long-sequence per-token step times (4 ranks, 1 core each)
+#   cores 8-15   0/1 Adam against Adam (two runs at once, 4 single-threaded gloo ranks each)
 #
 #   bash scripts/device_session.sh OUT_DIR
 #
@@ -39,13 +38,16 @@ gpu_part() {
         bash scripts/gpu_checks.sh "$logs/gpu" >/dev/null 2>&1
     taskset -c 0-3 env GPU_BENCH_STEPS="${GPU_BENCH_STEPS:-long_context zeropp moe_train moe_grouped}" \
         bash scripts/gpu_benchmarks.sh "$logs/gpu" >/dev/null 2>&1
+    # The monitor following 4,096 simulated ranks live (relay, publishers and TUI on 4 cores).
+    quiet 0-3 monitor_cpu "${MONITOR_TIMEOUT:-120}" python3 benchmarks/monitor_cpu.py \
+        --ranks 4096 --tables line --frames columnar --seconds 15 --repeat 2
 }
 
 checkpoint_part() {
     local scratch
     scratch=$(mktemp -d)
     for spec in "one_rank_two_threads 4-5 1 2 fp32" "two_ranks_two_cores 4-7 2 2 fp32" \
-        "two_ranks_one_core 4-5 2 1 fp32" "one_rank_two_threads_bf16 4-5 1 2 bf16"; do
+        "one_rank_two_threads_bf16 4-5 1 2 bf16" "two_ranks_one_core 4-5 2 1 fp32"; do
         set -- $spec
         quiet "$2" "checkpoint_$1" "${CKPT_TIMEOUT:-150}" python3 -m torch.distributed.run \
             --standalone --nproc_per_node="$3" --master_port=$((29600 + RANDOM % 300)) \
@@ -54,6 +56,10 @@ checkpoint_part() {
         rm -rf "${scratch:?}/$1"
     done
     rm -rf "$scratch"
+    # Long-sequence step time per token at sp 1, 2, 4 (4 single-core gloo ranks).
+    quiet 4-7 long_context_cpu "${LONG_CPU_TIMEOUT:-90}" python3 -m torch.distributed.run \
+        --standalone --nproc_per_node=4 --master_port=29960 benchmarks/long_context.py \
+        --seq 1024 --budget-mib 16 --sweep 512 1024 2048 --steps 3
 }
 
 cpu_part() {
@@ -67,20 +73,16 @@ cpu_part() {
         --only compressed --optimizer zero_one_adam \
         --var-update-scaler "${ONEBIT_VAR_UPDATE_SCALER:-64}" &
     wait
-    # The monitor following 4,096 simulated ranks live (relay, publishers and TUI on 4 cores).
-    quiet 12-15 monitor_cpu "${MONITOR_TIMEOUT:-120}" python3 benchmarks/monitor_cpu.py \
-        --ranks 4096 --tables line --frames columnar --seconds 15 --repeat 2 &
-    for mode in ulysses ring; do
-        quiet 8-11 "long_context_cpu_$mode" "${LONG_CPU_TIMEOUT:-90}" python3 -m torch.distributed.run \
-            --standalone --nproc_per_node=4 --master_port=29960 benchmarks/long_context.py \
-            --mode "$mode" --seq 1024 --budget-mib 16 --sweep 512 1024 2048 --steps 3
-    done
-    wait
 }
 
+pack() { tar -czf "$out/results.tmp.tar.gz" -C "$out" logs && mv "$out/results.tmp.tar.gz" "$out/results.tar.gz"; }
 nproc > "$logs/host.txt"
 gpu_part &
 checkpoint_part &
 cpu_part &
-wait
-tar -czf "$out/results.tar.gz" -C "$out" logs
+# Packs what exists every 20 s, so a call cut off by its time limit still brings logs back.
+while sleep 20; do pack; done &
+packer=$!
+wait %1 %2 %3
+kill "$packer"
+pack
