@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdpx
 from fsdpx.comm import fsdp_events
+from fsdpx.comm.fsdp_groups import param_groups
 from fsdpx.telemetry.wire.logfile import iter_log
 from tests.parity import LR, TINY, make_model
 
@@ -95,9 +96,8 @@ def test_fsdp_waits_are_cuda_event_pairs(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     engine = fsdpx.shard(make_model(), cfg)
-    groups = [
-        g for m in _fsdp_modules(engine.module) for g in m._get_fsdp_state()._fsdp_param_groups
-    ]
+    # param_groups: torch 2.11 keeps one group per state, 2.13 a list (fsdp_groups.py).
+    groups = [g for m in _fsdp_modules(engine.module) for g in param_groups(m._get_fsdp_state())]
     assert groups and all(
         vars(g)[n].fsdpx_cuda_timed for g in groups for n in fsdp_events.WAIT_METHODS
     )
