@@ -54,7 +54,7 @@ def test_cuda_wait_timing_is_installed_only_with_cuda(monkeypatch: pytest.Monkey
     modules = _fsdp_modules(plain.module)
     if not torch.cuda.is_available():  # this CPU machine: nothing was wrapped
         for m in modules:
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in param_groups(m._get_fsdp_state()):
                 assert not any(n in vars(group) for n in fsdp_events.WAIT_METHODS)
     # As on a CUDA machine: every group's wait methods wrapped once, however often asked.
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def test_cuda_wait_timing_is_installed_only_with_cuda(monkeypatch: pytest.Monkey
             assert fsdp_events.attach(m) == 1
             assert fsdp_events.attach(m) == 1  # again: still one wrapper per method
     for m in _fsdp_modules(wrapped.module):
-        for group in m._get_fsdp_state()._fsdp_param_groups:
+        for group in param_groups(m._get_fsdp_state()):
             for name in fsdp_events.WAIT_METHODS:
                 method = vars(group)[name]
                 assert method.fsdpx_cuda_timed
