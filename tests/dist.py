@@ -15,6 +15,20 @@ Example::
 
 Tests of failures use `spawn_ranks`, which returns every rank's RankOutcome (exit code,
 exception type and message, when the process ended) instead of raising.
+
+[Note: ranks forked from a preloaded server]
+Importing torch, torch.distributed.tensor and fsdpx costs a rank ~2 s of CPU, and the default
+suite starts some hundreds of ranks: with the "spawn" start method that import was most of
+the suite's time on 2 cores. Ranks are therefore forked from multiprocessing's forkserver,
+which imports `_PRELOAD` once per pytest session and does nothing else, so every rank starts
+from the same freshly imported, never-used modules (no process group, no CUDA context, no
+threads: what a spawned rank would have after its imports). What spawn gave for free and a
+fork from the server would not, each rank restores itself: the test's current os.environ and
+working directory (the server keeps those of the moment it started; tests set variables with
+monkeypatch before calling run_ranks). What is read once at process start cannot be restored
+that way (glibc's MALLOC_* tuning, environment read while torch is imported): a test that
+depends on it passes `fresh_interpreter=True` and gets a spawned rank. FSDPX_TEST_SPAWN=1
+spawns every rank (to rule the server out when a rank misbehaves).
 """
 
 from __future__ import annotations
@@ -33,6 +47,21 @@ import torch.multiprocessing as mp
 # A hang detector, not a speed check: a 4-rank test at load ~30 on 2 cores (CI machines
 # are shared) took most of 240 s once, so a rank gets 10 minutes before it counts as hung.
 DEFAULT_TIMEOUT_S = 600.0
+
+# What the fork server imports once (see the Note above): torch and the parts of it and of
+# fsdpx that nearly every rank body imports. An import that fails here is skipped by the
+# server and then fails, with its traceback, in the rank that needs it.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "fsdpx",
+    "fsdpx.engine",
+    "fsdpx.demo.gpt",
+    "tests.dist",
+]
 
 
 class RankError(AssertionError):
@@ -74,11 +103,17 @@ def _worker(
     args: tuple[Any, ...],
     pg_timeout_s: float,
     env: dict[str, str],
+    parent_env: dict[str, str],
+    cwd: str,
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    # The caller's environment and directory at the call, not the fork server's at its start.
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     out = os.path.join(tmp, f"rank{rank}")
@@ -114,6 +149,15 @@ def _worker(
     os._exit(code)
 
 
+def _context(fresh_interpreter: bool) -> Any:
+    if fresh_interpreter or os.environ.get("FSDPX_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Only read when the server starts (the first call in the session); later calls no-ops.
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -122,12 +166,21 @@ def run_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pg_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    fresh_interpreter: bool = False,
 ) -> list[Any]:
-    """Run fn(rank, world_size, *args) on world_size spawned CPU processes; return the
+    """Run fn(rank, world_size, *args) on world_size new CPU processes; return the
     per-rank results in rank order or raise RankError with the first failing rank's trace.
-    fn must be importable (a module-level function)."""
+    fn must be importable (a module-level function). fresh_interpreter=True spawns each rank
+    instead of forking it from the preloaded server ([Note: ranks forked from a preloaded
+    server]): for tests of what a process reads when it starts."""
     outcomes = spawn_ranks(
-        fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, env=env
+        fn,
+        world_size,
+        args,
+        timeout_s=timeout_s,
+        pg_timeout_s=pg_timeout_s,
+        env=env,
+        fresh_interpreter=fresh_interpreter,
     )
     failed = [o for o in outcomes if not o.ok]
     if failed:
@@ -143,17 +196,20 @@ def spawn_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pg_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    fresh_interpreter: bool = False,
 ) -> list[RankOutcome]:
     """Like run_ranks, but return how every rank ended (RankOutcome, in rank order)
     instead of raising: for tests where ranks are meant to fail."""
     import torch
 
-    ctx = mp.get_context("spawn")
+    ctx = _context(fresh_interpreter)
+    parent_env = dict(os.environ)
+    cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, tmp, args, pg_timeout_s, env or {}),
+                args=(fn, r, world_size, tmp, args, pg_timeout_s, env or {}, parent_env, cwd),
                 daemon=True,
             )
             for r in range(world_size)
