@@ -48,8 +48,8 @@ import torch.multiprocessing as mp
 # are shared) took most of 240 s once, so a rank gets 10 minutes before it counts as hung.
 DEFAULT_TIMEOUT_S = 600.0
 
-# What the fork server imports once (see the Note above): torch and the parts of it and of
-# fsdpx that nearly every rank body imports. An import that fails here is skipped by the
+# What the fork server imports once (see the Note above): torch and the parts of it, of
+# fsdpx and of transformers that the rank bodies import (~2.4 s and ~2 s of CPU per rank). An import that fails here is skipped by the
 # server and then fails, with its traceback, in the rank that needs it.
 _PRELOAD = [
     "torch",
@@ -60,6 +60,10 @@ _PRELOAD = [
     "fsdpx",
     "fsdpx.engine",
     "fsdpx.demo.gpt",
+    # The Hugging Face tests' ranks (the `fsdpx[hf]` extra; skipped here when it is absent).
+    # Imported eagerly, not through transformers' lazy names, so the server holds the code.
+    "transformers.models.llama.modeling_llama",
+    "transformers.trainer",
     "tests.dist",
 ]
 
