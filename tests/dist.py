@@ -20,15 +20,16 @@ exception type and message, when the process ended) instead of raising.
 Importing torch, torch.distributed.tensor and fsdpx costs a rank ~2 s of CPU, and the default
 suite starts some hundreds of ranks: with the "spawn" start method that import was most of
 the suite's time on 2 cores. Ranks are therefore forked from multiprocessing's forkserver,
-which imports `_PRELOAD` once per pytest session and does nothing else, so every rank starts
-from the same freshly imported, never-used modules (no process group, no CUDA context, no
-threads: what a spawned rank would have after its imports). What spawn gave for free and a
-fork from the server would not, each rank restores itself: the test's current os.environ and
-working directory (the server keeps those of the moment it started; tests set variables with
-monkeypatch before calling run_ranks). What is read once at process start cannot be restored
-that way (glibc's MALLOC_* tuning, environment read while torch is imported): a test that
-depends on it passes `fresh_interpreter=True` and gets a spawned rank. FSDPX_TEST_SPAWN=1
-spawns every rank (to rule the server out when a rank misbehaves).
+which imports tests/rank_preload.py (torch, fsdpx, transformers) once per pytest session
+and does nothing else, so every rank starts from the same freshly imported, never-used
+modules (no process group, no CUDA context; a fork copies only the server's main thread).
+multiprocessing gives a forked rank the caller's sys.path and working directory as it gave
+a spawned one; the environment it does not, so each rank restores the caller's os.environ
+at the call (the server keeps the one it started with; tests set variables with
+monkeypatch before calling run_ranks). What is read once at process start cannot be
+restored that way (glibc's MALLOC_* tuning, environment read while torch is imported): a
+test that depends on it passes `fresh_interpreter=True` and gets a spawned rank.
+FSDPX_TEST_SPAWN=1 spawns every rank (to rule the server out when a rank misbehaves).
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from multiprocessing import forkserver
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -48,24 +51,10 @@ import torch.multiprocessing as mp
 # are shared) took most of 240 s once, so a rank gets 10 minutes before it counts as hung.
 DEFAULT_TIMEOUT_S = 600.0
 
-# What the fork server imports once (see the Note above): torch and the parts of it, of
-# fsdpx and of transformers that the rank bodies import (~2.4 s and ~2 s of CPU per rank). An import that fails here is skipped by the
-# server and then fails, with its traceback, in the rank that needs it.
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch.distributed.tensor",
-    "torch.distributed.fsdp",
-    "torch.distributed.checkpoint",
-    "fsdpx",
-    "fsdpx.engine",
-    "fsdpx.demo.gpt",
-    # The Hugging Face tests' ranks (the `fsdpx[hf]` extra; skipped here when it is absent).
-    # Imported eagerly, not through transformers' lazy names, so the server holds the code.
-    "transformers.models.llama.modeling_llama",
-    "transformers.trainer",
-    "tests.dist",
-]
+# The fork server imports this module once; it imports torch, fsdpx and transformers.
+_PRELOAD = ["tests.rank_preload"]
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SERVER_LOCK = threading.Lock()
 
 
 class RankError(AssertionError):
@@ -108,16 +97,14 @@ def _worker(
     pg_timeout_s: float,
     env: dict[str, str],
     parent_env: dict[str, str],
-    cwd: str,
 ) -> None:
     import torch
     import torch.distributed as dist
 
-    # The caller's environment and directory at the call, not the fork server's at its start.
+    # The caller's environment at the call, not the fork server's at its start.
     os.environ.clear()
     os.environ.update(parent_env)
     os.environ.update(env)
-    os.chdir(cwd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     out = os.path.join(tmp, f"rank{rank}")
@@ -157,8 +144,21 @@ def _context(fresh_interpreter: bool) -> Any:
     if fresh_interpreter or os.environ.get("FSDPX_TEST_SPAWN") == "1":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # Only read when the server starts (the first call in the session); later calls no-ops.
-    ctx.set_forkserver_preload(_PRELOAD)
+    with _SERVER_LOCK:  # ranks of two tests can start from two threads (test_rank_failure)
+        ctx.set_forkserver_preload(_PRELOAD)
+        # multiprocessing hands the server the caller's sys.path, but Python 3.11's server
+        # never applies it: without the repository root on PYTHONPATH, `tests.rank_preload`
+        # would not be found (silently: nothing preloaded) when pytest runs from elsewhere.
+        # The server keeps the environment it starts with; ranks restore the caller's.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, saved) if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     return ctx
 
 
@@ -208,12 +208,11 @@ def spawn_ranks(
 
     ctx = _context(fresh_interpreter)
     parent_env = dict(os.environ)
-    cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, tmp, args, pg_timeout_s, env or {}, parent_env, cwd),
+                args=(fn, r, world_size, tmp, args, pg_timeout_s, env or {}, parent_env),
                 daemon=True,
             )
             for r in range(world_size)
