@@ -15,6 +15,21 @@ Example::
 
 Tests of failures use `spawn_ranks`, which returns every rank's RankOutcome (exit code,
 exception type and message, when the process ended) instead of raising.
+
+[Note: ranks forked from a preloaded server]
+Importing torch, torch.distributed.tensor and fsdpx costs a rank ~2 s of CPU, and the default
+suite starts some hundreds of ranks: with the "spawn" start method that import was most of
+the suite's time on 2 cores. Ranks are therefore forked from multiprocessing's forkserver,
+which imports tests/rank_preload.py (torch, fsdpx, transformers) once per pytest session
+and does nothing else, so every rank starts from the same freshly imported, never-used
+modules (no process group, no CUDA context; a fork copies only the server's main thread).
+multiprocessing gives a forked rank the caller's sys.path and working directory as it gave
+a spawned one; the environment it does not, so each rank restores the caller's os.environ
+at the call (the server keeps the one it started with; tests set variables with
+monkeypatch before calling run_ranks). What is read once at process start cannot be
+restored that way (glibc's MALLOC_* tuning, environment read while torch is imported): a
+test that depends on it passes `fresh_interpreter=True` and gets a spawned rank.
+FSDPX_TEST_SPAWN=1 spawns every rank (to rule the server out when a rank misbehaves).
 """
 
 from __future__ import annotations
@@ -22,10 +37,12 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from multiprocessing import forkserver
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -33,6 +50,11 @@ import torch.multiprocessing as mp
 # A hang detector, not a speed check: a 4-rank test at load ~30 on 2 cores (CI machines
 # are shared) took most of 240 s once, so a rank gets 10 minutes before it counts as hung.
 DEFAULT_TIMEOUT_S = 600.0
+
+# The fork server imports this module once; it imports torch, fsdpx and transformers.
+_PRELOAD = ["tests.rank_preload"]
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SERVER_LOCK = threading.Lock()
 
 
 class RankError(AssertionError):
@@ -74,10 +96,14 @@ def _worker(
     args: tuple[Any, ...],
     pg_timeout_s: float,
     env: dict[str, str],
+    parent_env: dict[str, str],
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    # The caller's environment at the call, not the fork server's at its start.
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -114,6 +140,28 @@ def _worker(
     os._exit(code)
 
 
+def _context(fresh_interpreter: bool) -> Any:
+    if fresh_interpreter or os.environ.get("FSDPX_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    with _SERVER_LOCK:  # ranks of two tests can start from two threads (test_rank_failure)
+        ctx.set_forkserver_preload(_PRELOAD)
+        # multiprocessing hands the server the caller's sys.path, but Python 3.11's server
+        # never applies it: without the repository root on PYTHONPATH, `tests.rank_preload`
+        # would not be found (silently: nothing preloaded) when pytest runs from elsewhere.
+        # The server keeps the environment it starts with; ranks restore the caller's.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, saved) if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -122,12 +170,21 @@ def run_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pg_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    fresh_interpreter: bool = False,
 ) -> list[Any]:
-    """Run fn(rank, world_size, *args) on world_size spawned CPU processes; return the
+    """Run fn(rank, world_size, *args) on world_size new CPU processes; return the
     per-rank results in rank order or raise RankError with the first failing rank's trace.
-    fn must be importable (a module-level function)."""
+    fn must be importable (a module-level function). fresh_interpreter=True spawns each rank
+    instead of forking it from the preloaded server ([Note: ranks forked from a preloaded
+    server]): for tests of what a process reads when it starts."""
     outcomes = spawn_ranks(
-        fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, env=env
+        fn,
+        world_size,
+        args,
+        timeout_s=timeout_s,
+        pg_timeout_s=pg_timeout_s,
+        env=env,
+        fresh_interpreter=fresh_interpreter,
     )
     failed = [o for o in outcomes if not o.ok]
     if failed:
@@ -143,17 +200,19 @@ def spawn_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pg_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    fresh_interpreter: bool = False,
 ) -> list[RankOutcome]:
     """Like run_ranks, but return how every rank ended (RankOutcome, in rank order)
     instead of raising: for tests where ranks are meant to fail."""
     import torch
 
-    ctx = mp.get_context("spawn")
+    ctx = _context(fresh_interpreter)
+    parent_env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, tmp, args, pg_timeout_s, env or {}),
+                args=(fn, r, world_size, tmp, args, pg_timeout_s, env or {}, parent_env),
                 daemon=True,
             )
             for r in range(world_size)

@@ -165,7 +165,9 @@ RSS_LARGE = GPTConfig(vocab_size=256, block_size=32, n_layer=12, n_head=16, n_em
 
 def _check_rss(config: GPTConfig) -> None:
     world = 4
-    results = run_ranks(rss_body, world, (config,))
+    # Spawned, not forked from tests/dist.py's preloaded server: a forked rank starts with
+    # the server's VmHWM (its import peak), and rss_body's bound reads VmHWM.
+    results = run_ranks(rss_body, world, (config,), fresh_interpreter=True)
     mib = 2**20
     for rank, r in enumerate(results):
         # The memory budget of one rank: its shard and half as much again.

@@ -394,14 +394,15 @@ def test_nvme_host_memory_stays_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     the stateless run; CPU offload must show the state (so the measurement can fail)."""
     # glibc's malloc keeps freed large blocks (its mmap threshold adapts upwards), which
     # makes RSS differ by tens of MB from run to run. A fixed threshold (read at process
-    # start, so set here for the spawned ranks) serves every tensor over 64 KiB with its
-    # own mmap, returned to the OS when freed: RSS then follows the live tensors.
+    # start, so set here for the spawned ranks: fresh_interpreter, since a rank forked from
+    # tests/dist.py's preloaded server keeps the server's malloc) serves every tensor over
+    # 64 KiB with its own mmap, returned to the OS when freed: RSS then follows the live tensors.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(128 << 10))
 
     def run(optimizer: dict[str, Any], offload: dict[str, Any]) -> dict[str, Any]:
         cfg = {"zero": {"stage": 3, "offload_optimizer": offload}, "optimizer": optimizer}
-        (r,) = run_ranks(ob.rss_body, 1, (cfg, 4))
+        (r,) = run_ranks(ob.rss_body, 1, (cfg, 4), fresh_interpreter=True)
         rss = r["rss"]
         r["held"] = rss["after_steps"] - rss["before_shard"]
         r["peak"] = rss["peak_steps"] - rss["before_shard"]
