@@ -34,6 +34,10 @@ that waited has the larger comm wait. It covers fsdpx's comm layer and FSDP2's o
 (on CPU wall time, HSDP's all-reduce included; on CUDA event pairs at FSDP's wait points:
 monitor/PROTOCOL.md "Phase times"). It is one number per step, not split by the phase
 that held the collective, so it is not subtracted from forward / backward here.
+
+Where a phase's median is (near) 0 its ratio says little: a rank sleeping 0.3 s in its
+data loader while the others wait 5 us is "60,000x median". Above `RATIO_SHOWN_UP_TO` a
+row and its event give the excess over the median in seconds instead.
 """
 
 from __future__ import annotations
@@ -109,13 +113,29 @@ class StragglerRow:
     slowness: float
     relative: float | None
     individual: float | None
+    excess: float | None = None
+    """That phase's time minus its median at the last scored step, seconds."""
 
     def text(self) -> str:
         """'rank 517 on node031: data wait 2.3x median, chronic for 40 steps'."""
-        ratio = "-" if self.ratio is None else f"{self.ratio:.1f}x"
         where = f" on {self.host}" if self.host is not None else ""
         state = f"chronic for {self.chronic_steps} steps" if self.chronic else "one-off"
-        return f"rank {self.rank}{where}: {PHASE_LABELS[self.phase]} {ratio} median, {state}"
+        how = compare_text(self.ratio, self.excess)
+        return f"rank {self.rank}{where}: {PHASE_LABELS[self.phase]} {how}, {state}"
+
+
+RATIO_SHOWN_UP_TO = 100.0
+"""Above this a phase's ratio to its median is shown as its excess in seconds ([Note:
+straggler scoring])."""
+
+
+def compare_text(ratio: float | None, excess: float | None) -> str:
+    """'2.3x median', or '+0.300 s over median' where the median is (near) 0."""
+    if ratio is not None and ratio <= RATIO_SHOWN_UP_TO:
+        return f"{ratio:.1f}x median"
+    if excess is not None:
+        return f"+{excess:.3f} s over median"
+    return "- median"
 
 
 class StragglerScores:
@@ -143,6 +163,8 @@ class StragglerScores:
         self._best = _state(0, np.nan, float)
         self._ratio = _state(0, np.nan, float)
         """Last scored time / the phase's median (NaN: no time or a zero median)."""
+        self._excess = _state(0, np.nan, float)
+        """Last scored time - the phase's median, seconds."""
         self._slowness = _state(0, 0.0, float)
         self._slow = _state(0, False, bool)
         self._since = _state(0, -1, np.int64)
@@ -171,6 +193,7 @@ class StragglerScores:
             ("_individual", np.nan),
             ("_best", np.nan),
             ("_ratio", np.nan),
+            ("_excess", np.nan),
             ("_slowness", 0.0),
             ("_slow", False),
             ("_since", -1),
@@ -312,6 +335,7 @@ class StragglerScores:
             slow = v > cut
             self._slow[idx, p] = slow
             self._ratio[idx, p] = v / median if median > 0 else np.nan
+            self._excess[idx, p] = v - median
             slowness = a * slow + keep * self._slowness[idx, p]
             self._slowness[idx, p] = slowness
             chronic = slowness >= cfg.chronic_level
@@ -325,6 +349,7 @@ class StragglerScores:
 
     def _chronic_event(self, slot: int, p: int, step: int) -> dict[str, Any]:
         ratio = _opt(self._ratio[slot, p])
+        excess = _opt(self._excess[slot, p])
         return {
             "rank": self._rank_of[slot],
             "host": self._hosts[slot],
@@ -334,7 +359,7 @@ class StragglerScores:
                 "phase": PHASE_NAMES[p],
                 "ratio": ratio,
                 "message": f"chronic straggler: {PHASE_LABELS[PHASE_NAMES[p]]} "
-                + ("" if ratio is None else f"{ratio:.1f}x median"),
+                + compare_text(ratio, excess),
             },
         }
 
@@ -362,6 +387,7 @@ class StragglerScores:
             host=self._hosts[slot],
             phase=PHASE_NAMES[p],
             ratio=_opt(ratios[p]),
+            excess=_opt(self._excess[slot, p]),
             chronic=began >= 0,
             chronic_steps=0 if began < 0 else int(self._step[slot]) - began + 1,
             slowness=float(self._slowness[slot, p]),

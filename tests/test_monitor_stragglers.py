@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
+from fsdpx.telemetry.wire.protocol import PHASE_FIELDS
 from monitor.app import MonitorApp
 from monitor.messages import TelemetryBatch
 from monitor.model import MonitorModel
 from monitor.screens.stragglers import StragglersScreen, heat_strip
-from monitor.stragglers import ScoreSettings, StragglerScores
+from monitor.stragglers import ScoreSettings, StragglerScores, compare_text
 from monitor.synthetic import SlowPhase, SyntheticRun
 from tests.test_monitor_app import screen_lines
 
@@ -101,6 +102,27 @@ def test_a_rank_that_stops_reporting_does_not_hold_scoring_back() -> None:
         for rec in run.records(step):
             scores.add(rec["rank"], step, rec)
     assert scores.last_scored_step == 8 - 3  # CLOSE_LAG steps behind the newest
+
+
+def test_a_phase_whose_median_is_near_zero_shows_the_excess_in_seconds() -> None:
+    # Three ranks' loaders are instant (5 us), rank 1's takes 0.3 s: as a ratio that is
+    # 60,000x median, which says nothing; the row and the event give +0.300 s instead.
+    scores = StragglerScores(ScoreSettings())
+    for step in range(1, 9):
+        for rank in range(4):
+            rec = {f: 0.1 for f in PHASE_FIELDS}
+            rec["data_wait_s"] = 0.3 if rank == 1 else 5e-6
+            rec["step_time_s"] = 0.8
+            scores.add(rank, step, rec)
+    row = scores.row(1)
+    assert row is not None and row.phase == "data_wait" and row.chronic
+    assert row.ratio is not None and row.ratio > 50_000
+    assert row.text().startswith("rank 1: data wait +0.300 s over median, chronic for ")
+    (event,) = scores.take_events()
+    assert event["detail"]["message"] == "chronic straggler: data wait +0.300 s over median"
+    # A ratio within RATIO_SHOWN_UP_TO stays a ratio.
+    assert compare_text(2.25, 0.5) == "2.2x median"
+    assert compare_text(None, None) == "- median"
 
 
 def test_heat_strip_keeps_the_worst_rank_of_a_bucket() -> None:
