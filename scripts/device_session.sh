@@ -17,14 +17,8 @@ out=${1:-${OUT:-/tmp/device_session}}
 mkdir -p "$out/logs"
 logs=$out/logs
 export PYTHONUNBUFFERED=1
-# Installs the wheels into /tmp/site and sets PYTHONPATH for every part below.
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+# The wheels into /tmp/site, PYTHONPATH set (once: scripts/gpu_env.sh).
+source scripts/gpu_env.sh
 quiet() {  # cores, log name, timeout, command... (CPU only, pinned)
     local cores=$1 name=$2 limit=$3
     shift 3

@@ -14,13 +14,8 @@ out=${1:-${OUT:-/tmp/gpu_checks}}
 shift || true
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+# The wheels into /tmp/site, PYTHONPATH set (once: scripts/gpu_env.sh).
+source scripts/gpu_env.sh
 nvidia-smi -L | tee "$out/device.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())' \
     | tee -a "$out/device.txt"
