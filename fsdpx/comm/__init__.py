@@ -10,7 +10,7 @@ the slot: `fsdpx.comm.fsdp_all_reduce` counts it (and times its wait on CPU) fro
 edges and FSDP's all-reduce hook; `fsdpx.comm.fsdp_events` times FSDP's waits on CUDA.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fsdpx.comm.counted import (
     CommLog,
@@ -20,6 +20,7 @@ from fsdpx.comm.counted import (
     all_to_all_single,
     comm_log,
 )
+from fsdpx.lazy_exports import lazy_getattr
 
 # [Note: onebit on first use] The 1-bit all-reduce is imported when one of its names is
 # first asked for (PEP 562), not with the package: fsdpx.zero imports this package for
@@ -36,12 +37,7 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _ONEBIT:
-        from fsdpx.comm import onebit
-
-        return getattr(onebit, name)
-    raise AttributeError(f"module 'fsdpx.comm' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(_ONEBIT, "fsdpx.comm.onebit"))
 
 
 __all__ = [

@@ -11,9 +11,9 @@ fsdpx.shard and fsdpx.estimate read zero.offload_optimizer / zero.offload_param 
 through the plan.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from fsdpx.lazy_exports import lazy_getattr
 from fsdpx.offload.plan import OffloadPlan, check_offload, resolve_offload
 
 # [Note: offload imports on first use] The offloaded optimizer (host and NVMe state
@@ -39,10 +39,7 @@ if TYPE_CHECKING:
     from fsdpx.offload.optimizer import OffloadedAdamW
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fsdpx.offload' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [
