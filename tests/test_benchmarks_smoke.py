@@ -16,23 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-NUM = r"\d+\.\d+"  # a printed ratio, e.g. 0.838
-
-
-def _run(args: list[str], ranks: int = 0) -> str:
-    """Run a benchmark (under torchrun with `ranks` > 0); its stdout, after exit 0."""
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    cmd = [sys.executable, *(launch if ranks else []), str(ROOT / "benchmarks" / args[0])]
-    proc = subprocess.run(cmd + args[1:], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def _line(pattern: str, out: str) -> str:
-    found = re.search(rf"^{pattern}$", out, re.MULTILINE)
-    assert found, f"no line matching {pattern!r} in:\n{out}"
-    return found.group(0)
+from tests.benchmark_run import NUM, ROOT
+from tests.benchmark_run import line as _line
+from tests.benchmark_run import run_benchmark as _run
 
 
 def test_step_overhead_script_runs() -> None:

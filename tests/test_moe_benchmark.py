@@ -4,25 +4,17 @@ The 4-rank run is tests/test_benchmarks_smoke.py::test_moe_script_runs (slow).""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import benchmarks.moe as moe_benchmark
+import benchmarks.moe_grouped as moe_grouped
 from fsdpx.moe.experts import Experts
+from tests.benchmark_run import NUM, run_benchmark
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("moe_benchmark", ROOT / "benchmarks" / "moe.py")
-assert _spec is not None and _spec.loader is not None
-moe_benchmark = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(moe_benchmark)
-
-NUM = r"\d+\.\d+"
 REPLICATED = ("replicated", "replicated_padded", "replicated_grouped_mm", "replicated_fused")
 
 
@@ -41,18 +33,7 @@ def test_layouts_that_need_more_ranks_are_skipped_with_the_reason() -> None:
 
 
 def _one_rank(*args: str) -> str:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        str(ROOT / "benchmarks" / "moe.py"),
-        *args,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    out = proc.stdout
+    out = run_benchmark(["moe.py", *args], ranks=1)
     for name in ("ep2", "ep4"):
         assert re.search(rf"^skipped {name}: mesh\.ep = \d must divide", out, re.M), out
     losses = []
@@ -84,13 +65,6 @@ def test_grouped_benchmark_floor_computes_the_same_experts() -> None:
     """benchmarks/moe_grouped.py --floor: the kernels alone (no autograd) and the fused node
     alone compute the experts' output (measure() checks them against the module loop the
     same way before timing)."""
-    spec = importlib.util.spec_from_file_location(
-        "moe_grouped_benchmark", ROOT / "benchmarks" / "moe_grouped.py"
-    )
-    assert spec is not None and spec.loader is not None
-    grouped = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = grouped  # its dataclass looks its module up there
-    spec.loader.exec_module(grouped)
     torch.manual_seed(0)
     template = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     experts = Experts(template, 4, grouped="loop", reinit=True)
@@ -99,5 +73,5 @@ def test_grouped_benchmark_floor_computes_the_same_experts() -> None:
     ref = experts(x, counts)
     p = dict(experts.expert.named_parameters())
     weights = (p["0.weight"], p["0.bias"], p["2.weight"], p["2.bias"])
-    torch.testing.assert_close(grouped._kernels_alone(x, counts, *weights)(), ref)
-    torch.testing.assert_close(grouped._node_alone(x, counts, *weights)(), ref)
+    torch.testing.assert_close(moe_grouped._kernels_alone(x, counts, *weights)(), ref)
+    torch.testing.assert_close(moe_grouped._node_alone(x, counts, *weights)(), ref)
