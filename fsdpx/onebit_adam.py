@@ -44,7 +44,7 @@ DeepSpeed's OnebitAdam reset them on every load), which costs one step of compen
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,10 @@ class OneBitAdam(torch.optim.Optimizer):
         opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
         loss.backward(); opt.step(); opt.zero_grad()
     """
+
+    exchanges_gradients: ClassVar[bool] = True
+    """fsdpx.shard `attach`es an optimizer with this set to the sharded model: it exchanges
+    the gradients itself, in place of the data-parallel all-reduce."""
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,10 @@ class OneBitLamb(torch.optim.Optimizer):
         factor_max, factor_min, factor_threshold: the clamps of the compressed-stage factor.
         group: the data-parallel process group of the replicas (default: the world).
     """
+
+    exchanges_gradients: ClassVar[bool] = True
+    """fsdpx.shard `attach`es an optimizer with this set to the sharded model: it exchanges
+    the gradients itself, in place of the data-parallel all-reduce."""
 
     def __init__(
         self,

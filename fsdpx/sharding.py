@@ -14,7 +14,6 @@ module has another name.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -42,25 +41,12 @@ from fsdpx.zero import dims_for_stage
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
 
-# The optimizers that exchange gradients themselves: (module, class) of each.
-_EXCHANGING = (
-    ("fsdpx.onebit_adam", "OneBitAdam"),
-    ("fsdpx.zero_one_adam", "ZeroOneAdam"),
-    ("fsdpx.onebit_lamb", "OneBitLamb"),
-)
-
-
 def _exchanges_gradients(opt: torch.optim.Optimizer) -> bool:
-    """Whether `opt` is one of the 1-bit optimizers, which `attach` to the model.
-
-    Only their modules already imported are asked: an instance of one exists only once its
-    module has been imported (by `build_optimizer` or by the caller), and importing them
-    here would load them and the 1-bit all-reduce for every model (~1 MiB of resident
-    memory per rank; [Note: onebit on first use] in fsdpx/comm/__init__.py)."""
-    return any(
-        (module := sys.modules.get(name)) is not None and isinstance(opt, getattr(module, cls))
-        for name, cls in _EXCHANGING
-    )
+    """Whether `opt` is one of the 1-bit optimizers, which `attach` to the model: they say so
+    with a class attribute, so asking needs none of their modules (importing them would
+    load them and the 1-bit all-reduce for every model, ~1 MiB of resident memory per rank;
+    [Note: onebit on first use] in fsdpx/comm/__init__.py)."""
+    return bool(getattr(type(opt), "exchanges_gradients", False))
 
 
 def shard(

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,10 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
         opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=1000)
     """
+
+    exchanges_gradients: ClassVar[bool] = True
+    """fsdpx.shard `attach`es an optimizer with this set to the sharded model: it exchanges
+    the gradients itself, in place of the data-parallel all-reduce."""
 
     def __init__(
         self,
