@@ -459,8 +459,10 @@ class MonitorApp(App[None]):
     def action_stragglers(self) -> None:
         screen = StragglersScreen()
         self.push_screen(screen)
-        # Drawn once mounted (not from a timer that may fire before the screen exists).
-        screen.call_after_refresh(lambda: screen.show(self.snapshot, self.model))
+        # Drawn once mounted (not from a timer that may fire before the screen exists),
+        # from a fresh snapshot: the last timer's may predate records applied since, and
+        # the screen also reads the live model (a stale top list beside newer events).
+        screen.call_after_refresh(self.refresh_view)
 
     def action_hang(self) -> None:
         """Open the hang screen and, live, ask every rank of the shown run for a dump."""
@@ -468,7 +470,7 @@ class MonitorApp(App[None]):
         self.push_screen(screen)
         if self._clients:
             self.action_request_dumps()
-        screen.call_after_refresh(lambda: screen.show(self.snapshot, self.model))
+        screen.call_after_refresh(self.refresh_view)
 
     def action_request_dumps(self) -> None:
         """Send a dump request through every relay (monitor/PROTOCOL.md "Hang dumps")."""
@@ -481,4 +483,4 @@ class MonitorApp(App[None]):
     def on_rank_table_rank_selected(self, message: RankTable.RankSelected) -> None:
         screen = RankDetailScreen(message.rank)
         self.push_screen(screen)
-        screen.call_after_refresh(lambda: screen.show(self.snapshot, self.model))
+        screen.call_after_refresh(self.refresh_view)

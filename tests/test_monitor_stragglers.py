@@ -198,3 +198,28 @@ def test_stragglers_screen_live() -> None:
             assert "chronic straggler: forward" in "\n".join(screen_lines(app))
 
     asyncio.run(scenario())
+
+
+def test_the_screen_opens_on_the_model_as_it_is_not_the_last_timer_snapshot() -> None:
+    # The refresh timer never fires here (refresh_hz is tiny): records posted after the
+    # app's first snapshot must still be on the screen when it opens. It used to draw
+    # the timer's last snapshot beside the live model's events, so under load (a replay
+    # ending between two timer ticks) the top list could lack a straggler whose event
+    # was already shown.
+    run = _run()
+    now = run.time_of(STEPS)
+
+    async def scenario() -> None:
+        app = MonitorApp(sources=["/nonexistent/relay.sock"], clock=lambda: now, refresh_hz=1e-6)
+        async with app.run_test(size=(100, 30)) as pilot:
+            for step in range(1, STEPS + 1):
+                app.post_message(TelemetryBatch("test", run.records(step), [], received_at=now))
+            # (app.model is the shown run's: read it when asked, not before records came)
+            await _until(pilot, lambda: 2 in {r.rank for r in app.model.stragglers.top(9)}, "2")
+            await pilot.press("w")
+            await _until(pilot, lambda: _shows(app, "scored through step"), "the screen")
+            lines = "\n".join(screen_lines(app))
+            assert "rank 1 on node000: data wait" in lines
+            assert "rank 2 on node000: forward" in lines
+
+    asyncio.run(scenario())
