@@ -43,8 +43,9 @@ def test_a_live_process_is_not_gone_and_an_ended_one_is() -> None:
         proc.wait()  # reaped: no /proc entry at all
         assert liveness.is_gone(peer)
         start = time.monotonic()
-        assert liveness.vanished([peer], wait_s=30) == [peer]
-        assert time.monotonic() - start < 20  # found at once, not after the 30 s wait
+        assert liveness.vanished([peer], wait_s=300) == [peer]
+        # Found at once, not after the 300 s wait (a bound no loaded machine reaches).
+        assert time.monotonic() - start < 150
     finally:
         proc.kill()
         proc.wait()

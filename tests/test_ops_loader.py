@@ -180,7 +180,7 @@ def test_lock_held_by_a_live_builder_times_out_with_advice(tmp_path: Path) -> No
             _loader._build_lock(tmp_path, timeout_s=0.3),
         ):
             pass
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 60  # gave up (the lock is held for ever)
     finally:
         os.close(fd)
 

@@ -206,8 +206,8 @@ def test_bounded_store_call_gives_up() -> None:
     own timeout; the failure path waits a bounded time instead."""
     release = threading.Event()
     start = time.monotonic()
-    assert _bounded(lambda: release.wait(30), timeout_s=0.2) is None
-    assert time.monotonic() - start < 2
+    assert _bounded(lambda: release.wait(600), timeout_s=0.2) is None
+    assert time.monotonic() - start < 300  # gave up, did not wait the call out
     release.set()
     assert _bounded(lambda: 1 / 0) is None
     assert _bounded(lambda: b"x") == b"x"
@@ -233,7 +233,7 @@ def test_failure_lookup_gives_up_on_a_stalled_store() -> None:
         start = time.monotonic()
         assert _bounded(lambda: store.get("k"), timeout_s=1.0) is None
         assert _bounded(lambda: store.compare_set("k2", "", "v"), timeout_s=1.0) is None
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 60  # gave up: the stopped server never answers
     finally:
         proc.kill()
         proc.wait()
