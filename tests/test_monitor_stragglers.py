@@ -152,7 +152,7 @@ def _messages(run: SyntheticRun) -> list[dict[str, Any]]:
     return run.messages(STEPS)
 
 
-async def _until(pilot: Any, done: Any, what: str, limit: int = 400) -> None:
+async def _until(pilot: Any, done: Any, what: str, limit: int = 3000) -> None:
     """Let the app run until `done()` holds (a state, never a duration)."""
     for _ in range(limit):
         if done():
