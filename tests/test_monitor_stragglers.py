@@ -18,7 +18,8 @@ from monitor.model import MonitorModel
 from monitor.screens.stragglers import StragglersScreen, heat_strip
 from monitor.stragglers import ScoreSettings, StragglerScores, compare_text
 from monitor.synthetic import SlowPhase, SyntheticRun
-from tests.test_monitor_app import screen_lines
+from monitor.widgets.rank_table import RankTable
+from tests.test_monitor_app import screen_lines, table_lines
 
 STEPS = 30
 ONE_OFF = range(10, 13)
@@ -292,5 +293,30 @@ def test_the_screen_opens_on_the_model_as_it_is_not_the_last_timer_snapshot() ->
             lines = "\n".join(screen_lines(app))
             assert "rank 1 on node000: data wait" in lines
             assert "rank 2 on node000: forward" in lines
+
+    asyncio.run(scenario())
+
+
+def test_outliers_key_lists_the_phase_stragglers() -> None:
+    # In synchronous training a straggler's step time is everyone's (no rank's step time
+    # is an outlier here), so the table's S flag also marks the ranks the straggler
+    # scores list, and `o` shows them: ranks 1 (data wait) and 2 (forward), not the
+    # one-off rank 3 once it is fast again.
+    run = _run()
+    now = run.time_of(STEPS)
+
+    async def scenario() -> None:
+        app = MonitorApp(sources=["/nonexistent/relay.sock"], clock=lambda: now)
+        async with app.run_test(size=(100, 30)) as pilot:
+            app.post_message(TelemetryBatch("test", [], run.start_events(), received_at=now))
+            for step in range(1, STEPS + 1):
+                app.post_message(TelemetryBatch("test", run.records(step), [], received_at=now))
+            scored = lambda: app.model.stragglers.last_scored_step == STEPS  # noqa: E731
+            await _until(pilot, scored, "every step scored")
+            table = app.query_one(RankTable)
+            await pilot.press("o")
+            await _until(pilot, lambda: table.order == [1, 2], "the outliers only")
+            rows = {int(line.split()[0]): line for line in table_lines(app)[:2]}
+            assert rows[1].rstrip().endswith("S") and rows[2].rstrip().endswith("S")
 
     asyncio.run(scenario())
