@@ -42,8 +42,9 @@ the ranks wait for a slow peer inside their own forward's all-gathers, so their 
 not, and the rank that made them wait stands out. A record without the split (an older
 publisher or log, a value that is not a time) scores that phase by its time, as before.
 The split must come from the rank: subtracting the step's whole `comm_wait_s` from
-forward (a heuristic tried and reverted) names a rank whose wait was in backward as a
-forward straggler, since its forward then looks faster than the others' by that wait.
+forward (a heuristic tried and reverted) fails when the waits were in backward: the
+waiting ranks' forward then looks short by their wait, and the rank they waited for
+(slow in backward) is named a forward straggler.
 
 Where a phase's median is (near) 0 its ratio says little: a rank sleeping 0.3 s in its
 data loader while the others wait 5 us is "60,000x median". Above `RATIO_SHOWN_UP_TO` a
