@@ -192,8 +192,12 @@ class _SlowLoader:
 
 def slow_data_loader(rank: int, world_size: int, relay: str, steps: int) -> int:
     """Train the tiny GPT for `steps` steps with telemetry on, reading batches through
-    `fsdpx.telemetry.timed_loader`; rank SLOW_RANK's loader takes 0.1 s per batch.
+    `fsdpx.telemetry.timed_loader`; rank SLOW_RANK's loader takes 0.1 s per batch, and
+    rank SLOW_FORWARD_RANK (when there is one) sleeps 0.15 s at the start of each forward
+    (a root forward pre-hook: the others wait for it in their forward's all-gathers).
     Returns the records sent."""
+    import time
+
     from fsdpx.demo.gpt import GPT
 
     cfg = fsdpx.Config.from_dict(
@@ -221,6 +225,8 @@ def slow_data_loader(rank: int, world_size: int, relay: str, steps: int) -> int:
         for _ in range(steps)
     ]
     engine = fsdpx.shard(model, cfg)
+    if rank == SLOW_FORWARD_RANK:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(0.15))
     loader = _SlowLoader(batches, 0.1 if rank == SLOW_RANK else 0.0)
     for x, y in fsdpx.telemetry.timed_loader(loader):
         loss = engine(x, y)
