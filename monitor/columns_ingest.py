@@ -6,7 +6,8 @@ without a dict per record.
 What `MonitorModel.add_records` does per record, done per column or per rank instead:
 only each rank's newest record of the block becomes its `record` dict (what the table and
 the snapshot read), the history and the curves' aggregates take a tuple per record from
-zipped columns, and the straggler scorer gets the phase columns zipped (its `add_rows`).
+zipped columns, and the straggler scorer gets its columns (SCORED_FIELDS: the phases and
+the comm wait inside them) zipped (its `add_rows`).
 Validity is checked a column at a time (`set(map(type, column))`, in C); a block whose
 `rank` or `step` column is not all ints, or one ingested in replay (`now` None, where
 each record's own time is its arrival), goes through `add_records` as dicts, so the
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fsdpx.telemetry.wire.columns import RecordColumns
-from monitor.stragglers import PHASE_FIELDS
+from monitor.stragglers import SCORED_FIELDS
 
 if TYPE_CHECKING:
     from monitor.model import MonitorModel, _RankState
@@ -125,7 +126,7 @@ def _score(
     nils: list[None],
     now: float,
 ) -> None:
-    phases = zip(*(block.get(f) or nils for f in PHASE_FIELDS), strict=True)
+    phases = zip(*(block.get(f) or nils for f in SCORED_FIELDS), strict=True)
     scores = model.stragglers
     scores.add_rows(
         zip(

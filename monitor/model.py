@@ -440,6 +440,9 @@ class MonitorModel:
         if median_st is not None and len(live_step_times) >= 2:
             straggler_cut = median_st * cfg.straggler_factor
         mem_cut = cfg.memory_fraction
+        # Phase stragglers are flagged too: in synchronous training a straggler's step
+        # time is everyone's, so the step-time rule alone would never mark it.
+        phase_slow = self.stragglers.flagged()
         # A running rank silent for hang_factor median steps may be stuck (needs a median).
         hang_after = math.inf if median_st is None else median_st * cfg.hang_factor
 
@@ -486,7 +489,8 @@ class MonitorModel:
             elif state.status_override is None and age > hang_after:
                 bits |= b_hung
             st = rec.get("step_time_s")
-            if (type(st) is float or type(st) is int) and st > straggler_cut:
+            slow_step = (type(st) is float or type(st) is int) and st > straggler_cut
+            if slow_step or (phase_slow and rank in phase_slow):
                 bits |= b_straggler
             loss = rec.get("loss")
             finite_loss = False

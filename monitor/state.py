@@ -31,7 +31,9 @@ class Flag(enum.Flag):
 
     NONE = 0
     STRAGGLER = enum.auto()
-    """Step time above `straggler_factor` x the median of the live ranks."""
+    """Step time above `straggler_factor` x the median of the live ranks, or slow in a
+    phase of its own by the straggler scores (chronic, or slow at its last scored step:
+    the ranks the stragglers view lists, monitor/stragglers.py)."""
     MEMORY = enum.auto()
     """Device memory (reserved or used) above `memory_fraction` of its capacity."""
     NAN_LOSS = enum.auto()

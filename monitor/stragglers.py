@@ -29,11 +29,22 @@ training every rank waits for the slowest at the next collective, so the ranks t
 show that time in whichever phase holds the collective. While most ranks are not
 stragglers the waiting ranks are the majority and set the median, so the rank that made
 them wait stands out and they do not. With two ranks (or half the ranks straggling) the
-median cannot tell the two apart; `comm_wait_s` is the measurement that can: the rank
+median cannot tell the two apart; the comm wait is the measurement that can: the rank
 that waited has the larger comm wait. It covers fsdpx's comm layer and FSDP2's own waits
 (on CPU wall time, HSDP's all-reduce included; on CUDA event pairs at FSDP's wait points:
-monitor/PROTOCOL.md "Phase times"). It is one number per step, not split by the phase
-that held the collective, so it is not subtracted from forward / backward here.
+monitor/PROTOCOL.md "Phase times").
+
+Forward, backward and the optimizer step are scored by their *compute* time: the phase
+minus the comm wait that happened while it was open (`COMM_SPLIT_FIELDS`, recorded by the
+phase clock: fsdpx/telemetry/phases.py [Note: comm wait by phase]). Under FSDP / ZeRO-3
+the ranks wait for a slow peer inside their own forward's all-gathers, so their forward
+*times* rise to the slow rank's and it sits at the median; their forward *compute* does
+not, and the rank that made them wait stands out. A record without the split (an older
+publisher or log, a value that is not a time) scores that phase by its time, as before.
+The split must come from the rank: subtracting the step's whole `comm_wait_s` from
+forward (a heuristic tried and reverted) fails when the waits were in backward: the
+waiting ranks' forward then looks short by their wait, and the rank they waited for
+(slow in backward) is named a forward straggler.
 
 Where a phase's median is (near) 0 its ratio says little: a rank sleeping 0.3 s in its
 data loader while the others wait 5 us is "60,000x median". Above `RATIO_SHOWN_UP_TO` a
@@ -51,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdpx.telemetry.wire.protocol import PHASE_FIELDS
+from fsdpx.telemetry.wire.protocol import COMM_SPLIT_FIELDS, PHASE_FIELDS
 
 PHASE_NAMES: tuple[str, ...] = tuple(f[: -len("_s")] for f in PHASE_FIELDS)
 """data_wait, forward, backward, optimizer, comm_wait, h2d (record order)."""
@@ -65,6 +76,10 @@ PHASE_LABELS = {
 }
 _CAUSES = tuple(i for i, name in enumerate(PHASE_NAMES) if name != "comm_wait")
 _NP = len(PHASE_FIELDS)
+SCORED_FIELDS = PHASE_FIELDS + COMM_SPLIT_FIELDS
+"""The record fields the scorer reads, in the order of its row tuples."""
+_SPLIT = tuple(PHASE_FIELDS.index(f.replace("comm_wait_", "")) for f in COMM_SPLIT_FIELDS)
+"""Per COMM_SPLIT_FIELDS entry: the phase whose wait it is (forward, backward, optimizer)."""
 CLOSE_LAG = 3
 """A step is scored at the latest when a record this many steps later arrived."""
 _MAX_OPEN_STEPS = 64
@@ -180,6 +195,7 @@ class StragglerScores:
         self._version = 0
         """Bumped by every scored step: `top` is recomputed only after one."""
         self._top: tuple[int, int, list[StragglerRow]] | None = None
+        self._flagged: tuple[int, frozenset[int]] | None = None
         self.last_scored_step: int | None = None
         self.world_size: int | None = None
         """The run's world size (from its start events) once known: a step is complete
@@ -227,7 +243,7 @@ class StragglerScores:
         if row is None:
             row = self._open[step] = {}
             self._step_times[step] = []
-        row[slot] = tuple(map(record.get, PHASE_FIELDS))
+        row[slot] = tuple(map(record.get, SCORED_FIELDS))
         st = record.get("step_time_s")
         if type(st) is float or type(st) is int:
             self._step_times[step].append(float(st))
@@ -238,8 +254,8 @@ class StragglerScores:
             self._close_ready()
 
     def add_rows(self, rows: Iterable[tuple[int, int, Any, tuple[Any, ...], Any]]) -> None:
-        """`add` for many records given as (rank, step, host, phase values in
-        PHASE_FIELDS order, step_time_s) tuples (monitor/columns_ingest.py: zipped columns,
+        """`add` for many records given as (rank, step, host, values in SCORED_FIELDS
+        order, step_time_s) tuples (monitor/columns_ingest.py: zipped columns,
         no record dicts); ranks and steps are validated ints."""
         # Per record at 20,000 records/s: locals for what stays put between closes, and
         # the open row of the step before (records come in runs of one step).
@@ -308,9 +324,10 @@ class StragglerScores:
         times = None
         if _REAL_OR_NONE.issuperset(map(type, itertools.chain.from_iterable(values))):
             with contextlib.suppress(OverflowError):  # an int beyond float's range
-                times = np.array(values, dtype=float).reshape(len(values), _NP)  # None: NaN
+                times = np.array(values, dtype=float).reshape(len(values), _NS)  # None: NaN
         if times is None:
             times = np.array([[_as_time(v) for v in r] for r in values], dtype=float)
+        times = _compute_times(times)
         for p in range(_NP):
             column = times[:, p]
             ok = column >= 0  # NaN compares false
@@ -406,14 +423,27 @@ class StragglerScores:
         Recomputed only after a step was scored (the app asks at every refresh)."""
         if self._top is not None and self._top[:2] == (self._version, k):
             return self._top[2]
-        n = len(self._rank_of)
-        causes = list(_CAUSES)
-        # Only ranks chronic or slow in a cause phase can be rows: found over the arrays.
-        flagged = (self._since[:n, causes] >= 0).any(axis=1) | self._slow[:n, causes].any(axis=1)
-        rows = [r for slot in np.nonzero(flagged)[0].tolist() if (r := self._row_of(slot))]
+        rows = [r for slot in self._flagged_slots() if (r := self._row_of(slot))]
         rows.sort(key=lambda x: (not x.chronic, -x.slowness, -(x.ratio or 0.0), x.rank))
         self._top = (self._version, k, rows[:k])
         return rows[:k]
+
+    def _flagged_slots(self) -> list[int]:
+        """Slots chronic or slow now in a cause phase: the ranks that have a row (found
+        over the arrays, not a row per rank)."""
+        n = len(self._rank_of)
+        causes = list(_CAUSES)
+        flagged = (self._since[:n, causes] >= 0).any(axis=1) | self._slow[:n, causes].any(axis=1)
+        return np.nonzero(flagged)[0].tolist()  # type: ignore[no-any-return]
+
+    def flagged(self) -> frozenset[int]:
+        """The ranks the stragglers view would list (a row: chronic or slow now in a
+        phase of their own), for the rank table's straggler flag. Recomputed only after a
+        step was scored."""
+        if self._flagged is None or self._flagged[0] != self._version:
+            ranks = frozenset(self._rank_of[slot] for slot in self._flagged_slots())
+            self._flagged = (self._version, ranks)
+        return self._flagged[1]
 
     def heat(self, phase: str) -> dict[int, float | None]:
         """Per rank: the last scored time of `phase` / its median (the heat strip)."""
@@ -434,6 +464,22 @@ class StragglerScores:
 
 
 _REAL_OR_NONE = frozenset({float, int, type(None)})
+_NS = len(SCORED_FIELDS)
+
+
+def _compute_times(times: np.ndarray) -> np.ndarray:
+    """The phase columns of a step's (ranks, SCORED_FIELDS) array, forward / backward /
+    optimizer as their compute time where the rank sent the comm wait inside them ([Note:
+    straggler scoring]): time - wait, at least 0; the time itself where the wait is not a
+    time (nil: an older publisher). NaN (no time) stays NaN."""
+    out = times[:, :_NP].copy()
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, an unknown time
+        for i, p in enumerate(_SPLIT):
+            wait = times[:, _NP + i]
+            column = out[:, p]
+            has = (wait >= 0) & (column >= 0)  # NaN compares false
+            out[:, p] = np.where(has, np.maximum(column - np.where(has, wait, 0.0), 0.0), column)
+    return out
 
 
 def _state(capacity: int, fill: Any, dtype: Any) -> np.ndarray:

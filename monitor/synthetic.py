@@ -14,19 +14,35 @@ from typing import Any
 
 GIB = 1024**3
 PHASE_SHARES = {"data_wait_s": 0.02, "forward_s": 0.3, "backward_s": 0.6, "optimizer_s": 0.08}
-"""Each phase's share of a nominal step (the rest is exposed comm wait)."""
+"""Each phase's share of a nominal step (they add up to the step: the comm waits below lie
+inside forward and backward, as in a real FSDP run)."""
+WAIT_SHARES = {"forward_s": 0.04, "backward_s": 0.06, "optimizer_s": 0.0}
+"""The share of a nominal step each phase spends waiting in collectives (inside its time)."""
+WAITED_IN = {"data_wait_s": "forward_s", "forward_s": "forward_s", "backward_s": "backward_s"}
+"""Where the other ranks wait for a rank slow in a phase, by default: for a late loader or
+a slow start of forward, in their forward's all-gathers; for a slow backward, in its
+reduce-scatters; otherwise in the optimizer step's collectives."""
 
 
 @dataclass(frozen=True)
 class SlowPhase:
     """An injected straggler: `rank` spends `extra_s` more in `phase` (a record field,
     e.g. "data_wait_s") at `steps` (None: every step). The other ranks wait for it in a
-    collective (their comm_wait_s grows), as in synchronous training."""
+    collective inside their `waited_in` phase (None: `WAITED_IN[phase]`): their time in
+    that phase grows by the wait, and so does its comm wait, as in synchronous FSDP
+    training (a slow start of forward: the others wait in forward; a slow end of forward,
+    after its last all-gather: `waited_in="backward_s"`)."""
 
     rank: int
     phase: str
     extra_s: float
     steps: range | None = None
+    waited_in: str | None = None
+
+    @property
+    def sync_phase(self) -> str:
+        """The phase whose collectives the other ranks wait for this one in."""
+        return self.waited_in or WAITED_IN.get(self.phase, "optimizer_s")
 
 
 @dataclass
@@ -66,6 +82,10 @@ class SyntheticRun:
     """Add the phase-time fields (data_wait_s, forward_s, ...) to every record."""
     slow_phases: tuple[SlowPhase, ...] = ()
     """Injected phase stragglers (implies `phases`)."""
+    comm_split: bool = True
+    """With phases: the records carry the comm wait inside each phase
+    (COMM_SPLIT_FIELDS, comm_wait_forward_s ...); False: as an older publisher sent them,
+    the same times without those fields."""
     tokens_per_step: int = 8192
     capacity: int = 80 * GIB
     _jitter: list[float] = field(init=False, repr=False)
@@ -83,11 +103,8 @@ class SyntheticRun:
         st = self.step_time_s * self._jitter[rank]
         if rank == self.straggler:
             st *= 2.5
-        if self.slow_phases:  # synchronous: every rank's step takes the slowest's extra
-            st += max(
-                (s.extra_s for s in self.slow_phases if s.steps is None or step in s.steps),
-                default=0.0,
-            )
+        if self.slow_phases:  # synchronous: every rank's step takes the slowest's extras
+            st += sum(max(late.values(), default=0.0) for late in self._lateness(step).values())
         loss = 4.0 * math.exp(-step / 200.0) + 1.5 + 0.02 * math.sin(step + rank)
         if rank == self.nan_rank and step >= self.nan_from_step:
             loss = float("nan")
@@ -127,19 +144,35 @@ class SyntheticRun:
             **(self._phases(rank, step) if self.phases or self.slow_phases else {}),
         }
 
+    def _lateness(self, step: int) -> dict[str, dict[int, float]]:
+        """Per phase holding a sync point: how late each slow rank arrives at it."""
+        out: dict[str, dict[int, float]] = {}
+        for s in self.slow_phases:
+            if s.steps is None or step in s.steps:
+                late = out.setdefault(s.sync_phase, {})
+                late[s.rank] = late.get(s.rank, 0.0) + s.extra_s
+        return out
+
     def _phases(self, rank: int, step: int) -> dict[str, float | None]:
-        """Phase times of one record: nominal shares with jitter; a slow rank's extra time
-        in its phase; everyone else waits for the slowest in comm_wait_s."""
+        """Phase times of one record: nominal shares with jitter, a slow rank's extra time
+        in its phase, and every rank waiting at each sync point for the latest rank there
+        (the wait inside the phase that holds it, and in its comm wait)."""
         base = self.step_time_s * self._jitter[rank]
         times = {name: share * base for name, share in PHASE_SHARES.items()}
-        active = [s for s in self.slow_phases if s.steps is None or step in s.steps]
-        worst = max((s.extra_s for s in active), default=0.0)
-        own = sum(s.extra_s for s in active if s.rank == rank)
-        for s in active:
-            if s.rank == rank:
+        waits = {name: share * base for name, share in WAIT_SHARES.items()}
+        for s in self.slow_phases:
+            if s.rank == rank and (s.steps is None or step in s.steps):
                 times[s.phase] += s.extra_s
-        times["comm_wait_s"] = 0.1 * base + max(0.0, worst - own)
-        return {**times, "h2d_s": None}  # a run without offload
+        for phase, late in self._lateness(step).items():
+            wait = max(late.values()) - late.get(rank, 0.0)
+            times[phase] += wait
+            waits[phase] += wait
+        out: dict[str, float | None] = {**times, "comm_wait_s": sum(waits.values())}
+        out["h2d_s"] = None  # a run without offload
+        if self.comm_split:
+            for name, wait in waits.items():
+                out[f"comm_wait_{name}"] = wait
+        return out
 
     def publishing(self, rank: int, step: int) -> bool:
         """Whether `rank` still publishes at `step` (False after the injected stop)."""

@@ -192,8 +192,12 @@ class _SlowLoader:
 
 def slow_data_loader(rank: int, world_size: int, relay: str, steps: int) -> int:
     """Train the tiny GPT for `steps` steps with telemetry on, reading batches through
-    `fsdpx.telemetry.timed_loader`; rank SLOW_RANK's loader takes 0.1 s per batch.
+    `fsdpx.telemetry.timed_loader`; rank SLOW_RANK's loader takes 0.1 s per batch, and
+    rank SLOW_FORWARD_RANK (when there is one) sleeps 0.15 s at the start of each forward
+    (a root forward pre-hook: the others wait for it in their forward's all-gathers).
     Returns the records sent."""
+    import time
+
     from fsdpx.demo.gpt import GPT
 
     cfg = fsdpx.Config.from_dict(
@@ -221,6 +225,8 @@ def slow_data_loader(rank: int, world_size: int, relay: str, steps: int) -> int:
         for _ in range(steps)
     ]
     engine = fsdpx.shard(model, cfg)
+    if rank == SLOW_FORWARD_RANK:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(0.15))
     loader = _SlowLoader(batches, 0.1 if rank == SLOW_RANK else 0.0)
     for x, y in fsdpx.telemetry.timed_loader(loader):
         loss = engine(x, y)
@@ -298,6 +304,12 @@ FSDP_WAIT_STEPS = 3
 """Steps per half of `slow_before_fsdp_collectives`: rank 1 is slow in the first half,
 rank 0 in the second."""
 FSDP_WAIT_DELAY_S = 0.5
+SLOW_FORWARD_RANK = 2
+"""The rank that, in the last part of `slow_before_fsdp_collectives`, sleeps at the start
+of its forward (after the root module's all-gather, before its blocks')."""
+SLOW_FORWARD_STEPS = 6
+"""Steps of that part: enough for a chronic straggler (five slow steps in a row)."""
+SLOW_FORWARD_DELAY_S = 0.25
 
 
 class _LateLoader:
@@ -333,7 +345,7 @@ def _slot_spans() -> dict[str, float | None]:
     assert group is not None
     w = dist.get_world_size()
     clock, ticks, real = phase_clock(), itertools.count(), time.perf_counter
-    inp, out, piece = torch.ones(8), torch.empty(8 * w), torch.empty(8 // w)
+    inp, out, piece = torch.ones(4 * w), torch.empty(4 * w * w), torch.empty(4)
     spans: dict[str, float | None] = {}
     clock.enable(torch.device("cpu"))
     time.perf_counter = lambda: float(next(ticks))  # this rank's process ends after
@@ -360,12 +372,18 @@ def _slot_spans() -> dict[str, float | None]:
 
 def slow_before_fsdp_collectives(
     rank: int, world_size: int
-) -> tuple[list[list[float | None]], dict[str, float | None]]:
+) -> tuple[list[list[float | None]], list[float], dict[str, float | None]]:
     """ZeRO-3 on the tiny GPT, the phase clock on (as a publisher turns it on), and one
-    rank late to each step's first FSDP all-gather: rank 1 in the first FSDP_WAIT_STEPS
-    steps, rank 0 in the next (a data loader that takes FSDP_WAIT_DELAY_S per batch).
-    Returns this rank's phase seconds per step (fsdpx.telemetry.phases.PHASES order), and
-    what each slot adds per call (`_slot_spans`)."""
+    rank late to each step's FSDP collectives: rank 1 in the first FSDP_WAIT_STEPS steps,
+    rank 0 in the next (a data loader that takes FSDP_WAIT_DELAY_S per batch), then, for
+    SLOW_FORWARD_STEPS steps, SLOW_FORWARD_RANK at the start of its forward (a forward
+    pre-hook on the root module sleeps SLOW_FORWARD_DELAY_S: the others wait for it in
+    their forward's all-gathers). Returns this rank's per-step values of the record
+    fields PHASE_FIELDS + COMM_SPLIT_FIELDS (`StepPhases.seconds_per_phase`, what the
+    publisher puts in its records), each step's wall time (the record's step_time_s,
+    from the end of the step before), and what each slot adds per call (`_slot_spans`)."""
+    import time
+
     from fsdpx.telemetry.phases import phase_clock
 
     cfg = fsdpx.Config.from_dict({"optimizer": {"type": "adamw", "lr": LR}})
@@ -373,7 +391,7 @@ def slow_before_fsdp_collectives(
     vocab, block = model.config.vocab_size, model.config.block_size
     engine = fsdpx.shard(model, cfg)
     g = torch.Generator().manual_seed(rank)
-    steps = 2 * FSDP_WAIT_STEPS
+    steps = 2 * FSDP_WAIT_STEPS + SLOW_FORWARD_STEPS
     batches = [
         (
             torch.randint(0, vocab, (2, block), generator=g),
@@ -381,18 +399,34 @@ def slow_before_fsdp_collectives(
         )
         for _ in range(steps)
     ]
-    late = [(i < FSDP_WAIT_STEPS) == (rank == 1) for i in range(steps)]
+    late_rank = [1] * FSDP_WAIT_STEPS + [0] * FSDP_WAIT_STEPS + [-1] * SLOW_FORWARD_STEPS
+    late = [r == rank for r in late_rank]
     loader = _LateLoader(batches, [FSDP_WAIT_DELAY_S if x else 0.0 for x in late])
+    slow_forward = False
+
+    def sleep_first(module: torch.nn.Module, args: Any) -> None:
+        if slow_forward:
+            time.sleep(SLOW_FORWARD_DELAY_S)  # the injected slowness
+
+    if rank == SLOW_FORWARD_RANK:
+        # Registered after fsdpx.shard: FSDP's own pre-forward hook (the root's
+        # all-gather) runs first, the blocks' all-gathers come after the sleep.
+        model.register_forward_pre_hook(sleep_first)
     clock = phase_clock()
     clock.enable(torch.device("cpu"))
     clock.take()  # nothing before the first step
     out: list[list[float | None]] = []
+    step_times: list[float] = []
     try:
-        for x, y in fsdpx.telemetry.timed_loader(loader):
+        ended = time.perf_counter()
+        for i, (x, y) in enumerate(fsdpx.telemetry.timed_loader(loader)):
+            slow_forward = i >= 2 * FSDP_WAIT_STEPS
             engine.backward(engine(x, y))
             engine.step()
-            out.append(clock.take().seconds)
+            out.append(clock.take().seconds_per_phase())
+            step_times.append(time.perf_counter() - ended)
+            ended = time.perf_counter()
     finally:
         clock.disable()
     dist.barrier()
-    return out, _slot_spans()
+    return out, step_times, _slot_spans()

@@ -13,6 +13,7 @@ pairs, inside the compute spans, and one pair is recorded per wrapped call.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import fsdpx
 from fsdpx.comm import fsdp_events
 from fsdpx.comm.fsdp_groups import param_groups
 from fsdpx.telemetry.wire.logfile import iter_log
+from fsdpx.telemetry.wire.protocol import COMM_SPLIT_FIELDS
 from tests.parity import LR, TINY, make_model
 
 
@@ -127,3 +129,11 @@ def test_fsdp_waits_are_cuda_event_pairs(tmp_path: Path) -> None:
         comm = r["comm_wait_s"]
         assert isinstance(comm, float) and comm >= 0.0, r
         assert comm <= r["forward_s"] + r["backward_s"] + r["optimizer_s"], r
+        # The same pairs, by the span open when they were recorded ([Note: comm wait by
+        # phase] in fsdpx/telemetry/phases.py): every FSDP wait point of the engine's loop
+        # lies in forward or backward, so the split adds up to the whole.
+        split = [r[f] for f in COMM_SPLIT_FIELDS]
+        assert all(isinstance(v, float) and v >= 0.0 for v in split), r
+        assert math.isclose(sum(split), comm, rel_tol=1e-6, abs_tol=1e-9), r
+        for phase in ("forward", "backward", "optimizer"):
+            assert r[f"comm_wait_{phase}_s"] <= r[f"{phase}_s"] * (1 + 1e-6), (phase, r)

@@ -124,6 +124,21 @@ def _stream() -> tuple[SyntheticRun, list[list[dict[str, Any]]]]:
     for first in range(1, 31, 3):
         batch = [r for step in range(first, first + 3) for r in run.records(step)]
         batches.append(sorted(batch, key=lambda r: (r["rank"] * 7) % 6))
+    # Comm waits inside the phases that are not times, or longer than their phase (the
+    # scorer takes compute times from them: monitor/stragglers.py [Note: straggler
+    # scoring]): the same scores whether they came as columns or as dicts.
+    hostile: list[tuple[str, Any]] = [
+        ("comm_wait_forward_s", "0.1"),
+        ("comm_wait_backward_s", -1.0),
+        ("comm_wait_optimizer_s", True),
+        ("comm_wait_forward_s", 10**400),
+        ("forward_s", None),
+        ("comm_wait_backward_s", 5.0),
+        ("comm_wait_forward_s", None),
+        ("comm_wait_backward_s", float("inf")),
+    ]
+    for i, (field, value) in enumerate(hostile):
+        batches[i + 1][i % 6][field] = value
     return run, batches
 
 

@@ -67,6 +67,18 @@ def test_export_prometheus_parses_with_prometheus_client(tmp_path: Path) -> None
     assert not any(
         name == "fsdpx_phase_seconds" and ("phase", "h2d") in lab for name, lab in samples
     )
+    # The comm wait inside forward (records with the split: COMM_SPLIT_FIELDS).
+    waited = samples[
+        ("fsdpx_comm_wait_in_phase_seconds", phase[:2] + (("phase", "forward"),) + phase[3:])
+    ]
+    assert waited == run.record(1, 4)["comm_wait_forward_s"]
+
+
+def test_records_of_an_older_publisher_have_no_split_gauges() -> None:
+    old = SyntheticRun(n_ranks=2, phases=True, comm_split=False)
+    text = prometheus_text({r: old.record(r, 3) for r in range(2)})
+    assert "fsdpx_phase_seconds" in text and "fsdpx_comm_wait_in_phase_seconds" not in text
+    assert len(_samples(text)) > 0  # still parses
 
 
 def test_label_values_are_escaped() -> None:

@@ -1,7 +1,8 @@
 """The vectorised straggler scorer (monitor/stragglers.py [Note: vectorised scoring])
 against a per-rank Python reference of the same rules ([Note: straggler scoring]), on a
 random stream with hostile values (nil, bools, strings, negative and zero times, late
-and repeated records): every score, flag and event equal."""
+and repeated records; the comm wait inside forward / backward / optimizer, or not): every
+score, flag and event equal."""
 
 from __future__ import annotations
 
@@ -10,10 +11,26 @@ import random
 import statistics
 from typing import Any
 
-from fsdpx.telemetry.wire.protocol import PHASE_FIELDS
+from fsdpx.telemetry.wire.protocol import COMM_SPLIT_FIELDS, PHASE_FIELDS
 from monitor.stragglers import _CAUSES, PHASE_NAMES, ScoreSettings, StragglerScores
 
 NP = len(PHASE_FIELDS)
+SPLIT = {
+    PHASE_FIELDS.index(f.replace("comm_wait_", "")): NP + i for i, f in enumerate(COMM_SPLIT_FIELDS)
+}
+"""Phase index -> the index of the comm wait inside it in a row (SCORED_FIELDS order)."""
+
+
+def _time(v: tuple[Any, ...], p: int) -> float | None:
+    """Phase p's scored time of a row: its compute time (time - the wait inside it, at
+    least 0) where the wait is a time, else its time; None when it is not a time."""
+    t = v[p]
+    if type(t) not in (int, float) or t < 0:
+        return None
+    w: Any = v[SPLIT[p]] if p in SPLIT else None
+    if type(w) in (int, float) and w >= 0:
+        return max(0.0, float(t) - float(w))
+    return float(t)
 
 
 class Reference:
@@ -40,9 +57,7 @@ class Reference:
                 self.since[r] = [None] * NP
         step_median = statistics.median(step_times) if step_times else None
         for p in range(NP):
-            times = {
-                r: float(v[p]) for r, v in row.items() if type(v[p]) in (int, float) and v[p] >= 0
-            }
+            times = {r: t for r, v in row.items() if (t := _time(v, p)) is not None}
             if len(times) < 2:
                 continue
             values = sorted(times.values())
@@ -94,12 +109,20 @@ def test_vectorised_scores_equal_the_per_rank_reference() -> None:
 
     def spy(step: int, row: dict[int, tuple[Any, ...]], step_times: list[float]) -> None:
         nonlocal scored_through
-        ranks = {scores._rank_of[s]: v for s, v in row.items()}
+        # The reference reads the records as sent (the scorer's rows hold compute times).
+        ranks = {scores._rank_of[s]: sent[(scores._rank_of[s], step)] for s in row}
         ref.score(step, ranks, list(step_times))
         original(step, row, step_times)
         scored_through = step
 
     scores._score = spy  # type: ignore[method-assign]
+    sent: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    def add(rank: int, step: int, rec: dict[str, Any]) -> None:
+        if step > scores._scored_through:  # (else the scorer ignores it)
+            sent[(rank, step)] = tuple(rec.get(f) for f in PHASE_FIELDS + COMM_SPLIT_FIELDS)
+        scores.add(rank, step, rec)
+
     n_ranks, steps = 40, 60
     slow_ranks = {3: range(0, 60), 17: range(20, 24), 31: range(30, 60)}
     for step in range(1, steps + 1):
@@ -110,12 +133,17 @@ def test_vectorised_scores_equal_the_per_rank_reference() -> None:
                 continue  # stops reporting: steps close by lag
             slow = step in slow_ranks.get(rank, ())
             rec = {f: _value(rng, slow) for f in PHASE_FIELDS}
+            if rank % 4:  # (every fourth rank: an older publisher, no split fields)
+                for f in COMM_SPLIT_FIELDS:
+                    phase = rec[f.replace("comm_wait_", "")]
+                    real = type(phase) is float and phase > 0
+                    rec[f] = rng.uniform(0.0, 1.2) * phase if real else _value(rng, False)
             rec["host"] = f"node{rank // 8}"
             rec["step_time_s"] = rng.choice([0.5, 0.6, None])
-            scores.add(rank, step, rec)
+            add(rank, step, rec)
             if rng.random() < 0.02:  # a repeated record, and a late one
-                scores.add(rank, step, rec)
-                scores.add(rank, max(1, step - 5), rec)
+                add(rank, step, rec)
+                add(rank, max(1, step - 5), rec)
     assert scored_through >= steps - 3
     for rank in range(n_ranks):
         got = scores.scores(rank)

@@ -18,7 +18,8 @@ from monitor.model import MonitorModel
 from monitor.screens.stragglers import StragglersScreen, heat_strip
 from monitor.stragglers import ScoreSettings, StragglerScores, compare_text
 from monitor.synthetic import SlowPhase, SyntheticRun
-from tests.test_monitor_app import screen_lines
+from monitor.widgets.rank_table import RankTable
+from tests.test_monitor_app import screen_lines, table_lines
 
 STEPS = 30
 ONE_OFF = range(10, 13)
@@ -79,6 +80,77 @@ def test_scores_are_fractions_and_waiting_is_not_a_cause() -> None:
     assert scores.row(0) is None
     assert scores.heat("comm_wait")[0] is not None
     assert scores.heat("h2d") == dict.fromkeys(range(4))  # no offload: no h2d times
+
+
+def _named(run: SyntheticRun, steps: int = STEPS) -> dict[int, tuple[str, bool] | None]:
+    model = MonitorModel()
+    model.add_events(run.start_events())
+    for step in range(1, steps + 1):
+        model.add_records(run.records(step), now=run.time_of(step))
+    return _states(model)
+
+
+def test_a_rank_slow_at_the_start_of_forward_is_named_by_its_compute_time() -> None:
+    # Rank 2 computes 0.25 s more before its forward's first all-gather; the others wait
+    # for it there, inside their own forward: every rank's forward_s is the same (the
+    # slow rank sits at the median), only where the waits happened tells them apart.
+    run = SyntheticRun(n_ranks=4, slow_phases=(SlowPhase(2, "forward_s", 0.25),))
+    recs = run.records(5)
+    forward = sorted(r["forward_s"] for r in recs)
+    assert forward[-1] < 1.1 * forward[0]  # (the fixture is what a real run sends)
+    assert _named(run) == {0: None, 1: None, 2: ("forward", True), 3: None}
+    # The same records from an older publisher (no split): scored by forward time, as
+    # before, the rank is not found; nor is a waiting rank named instead.
+    old = SyntheticRun(n_ranks=4, slow_phases=(SlowPhase(2, "forward_s", 0.25),), comm_split=False)
+    assert "comm_wait_forward_s" not in old.records(5)[0]
+    assert _named(old) == dict.fromkeys(range(4))
+    # Such records still name what they always did: a late data loader.
+    loader = SyntheticRun(
+        n_ranks=4, slow_phases=(SlowPhase(1, "data_wait_s", 0.15),), comm_split=False
+    )
+    assert _named(loader) == {0: None, 1: ("data_wait", True), 2: None, 3: None}
+
+
+def test_a_wait_in_backward_makes_no_forward_straggler() -> None:
+    # Rank 1 is slow in backward; the others wait for it in backward. Subtracting the
+    # step's whole comm wait from forward (the reverted heuristic) would make the waiting
+    # ranks' forward look fast and name rank 1 in forward; the split keeps the wait where
+    # it happened.
+    run = SyntheticRun(n_ranks=4, slow_phases=(SlowPhase(1, "backward_s", 0.3),))
+    recs = run.records(5)
+    heuristic = [r["forward_s"] - r["comm_wait_s"] for r in recs]
+    assert heuristic[1] > 1.5 * max(h for i, h in enumerate(heuristic) if i != 1)
+    assert _named(run) == {0: None, 1: ("backward", True), 2: None, 3: None}
+    # A slow *end* of forward (after its last all-gather): the others wait in backward,
+    # and the slow rank is named in forward, the waiting ranks in nothing.
+    late_end = SlowPhase(3, "forward_s", 0.3, waited_in="backward_s")
+    run = SyntheticRun(n_ranks=4, slow_phases=(late_end,))
+    assert _named(run) == {0: None, 1: None, 2: None, 3: ("forward", True)}
+
+
+def test_split_values_that_are_not_times_fall_back_to_the_phase_time() -> None:
+    # A hostile or partial record: a split that is nil, negative or a string leaves the
+    # phase scored by its time; a wait larger than the phase makes its compute 0, not < 0.
+    scores = StragglerScores(ScoreSettings())
+    for step in range(1, 9):
+        for rank in range(4):
+            rec: dict[str, Any] = {f: 0.1 for f in PHASE_FIELDS}
+            rec.update(comm_wait_forward_s=0.0, comm_wait_backward_s=0.0)
+            rec["step_time_s"] = 0.8
+            if rank == 1:
+                rec.update(forward_s=0.5, comm_wait_forward_s="0.4")  # not a time: 0.5
+            if rank == 2:
+                rec.update(backward_s=0.5, comm_wait_backward_s=-1.0)  # not a time: 0.5
+            if rank == 3:
+                rec.update(optimizer_s=0.1, comm_wait_optimizer_s=0.7)  # compute 0
+            scores.add(rank, step, rec)
+    assert {r: getattr(scores.row(r), "phase", None) for r in range(4)} == {
+        0: None,
+        1: "forward",
+        2: "backward",
+        3: None,
+    }
+    assert scores.heat("optimizer")[3] == 0.0
 
 
 def test_records_without_phase_times_score_nothing() -> None:
@@ -221,5 +293,30 @@ def test_the_screen_opens_on_the_model_as_it_is_not_the_last_timer_snapshot() ->
             lines = "\n".join(screen_lines(app))
             assert "rank 1 on node000: data wait" in lines
             assert "rank 2 on node000: forward" in lines
+
+    asyncio.run(scenario())
+
+
+def test_outliers_key_lists_the_phase_stragglers() -> None:
+    # In synchronous training a straggler's step time is everyone's (no rank's step time
+    # is an outlier here), so the table's S flag also marks the ranks the straggler
+    # scores list, and `o` shows them: ranks 1 (data wait) and 2 (forward), not the
+    # one-off rank 3 once it is fast again.
+    run = _run()
+    now = run.time_of(STEPS)
+
+    async def scenario() -> None:
+        app = MonitorApp(sources=["/nonexistent/relay.sock"], clock=lambda: now)
+        async with app.run_test(size=(100, 30)) as pilot:
+            app.post_message(TelemetryBatch("test", [], run.start_events(), received_at=now))
+            for step in range(1, STEPS + 1):
+                app.post_message(TelemetryBatch("test", run.records(step), [], received_at=now))
+            scored = lambda: app.model.stragglers.last_scored_step == STEPS  # noqa: E731
+            await _until(pilot, scored, "every step scored")
+            table = app.query_one(RankTable)
+            await pilot.press("o")
+            await _until(pilot, lambda: table.order == [1, 2], "the outliers only")
+            rows = {int(line.split()[0]): line for line in table_lines(app)[:2]}
+            assert rows[1].rstrip().endswith("S") and rows[2].rstrip().endswith("S")
 
     asyncio.run(scenario())

@@ -62,7 +62,13 @@ from fsdpx.telemetry.node import node_from_env
 from fsdpx.telemetry.phases import StepPhases, phase_clock
 from fsdpx.telemetry.probes import AllocatorProbe, NvmlProbe, host_rss
 from fsdpx.telemetry.sigterm import SigtermHook
-from fsdpx.telemetry.wire.protocol import EVENT_KINDS, PHASE_FIELDS, RECORD_FIELDS, ProtocolError
+from fsdpx.telemetry.wire.protocol import (
+    COMM_SPLIT_FIELDS,
+    EVENT_KINDS,
+    PHASE_FIELDS,
+    RECORD_FIELDS,
+    ProtocolError,
+)
 from fsdpx.telemetry.wire.relay import Relay
 from fsdpx.telemetry.wire.runs import RunIdentity
 from fsdpx.telemetry.wire.transport import (
@@ -81,6 +87,8 @@ _SENT_FIELDS = {
     "sent_all_reduce": "all_reduce",
 }
 
+# The values of StepPhases.seconds_per_phase, in its order.
+_TIMED_FIELDS = PHASE_FIELDS + COMM_SPLIT_FIELDS
 log = logging.getLogger("fsdpx.telemetry")
 _BATCH = 512  # records per frame: ~200 KB, well under MAX_FRAME_BYTES
 _TRACEBACK_CHARS = 4000
@@ -610,7 +618,7 @@ class Publisher:
             job=self.run.job,
             node=self.node,
         )
-        record.update(zip(PHASE_FIELDS, phases.seconds_per_phase(), strict=True))
+        record.update(zip(_TIMED_FIELDS, phases.seconds_per_phase(), strict=True))
         record.update(item[14])
         record.update(item[15])
         return record

@@ -3,8 +3,10 @@ rank's latest record: what the relay serves at `--prometheus-port` and what
 `fsdpx-monitor export --prometheus` writes. Stdlib only (the relay and the monitor use it).
 
 One gauge family per numeric record field (`fsdpx_loss`, `fsdpx_step_time_seconds`, ...,
-phase times as `fsdpx_phase_seconds{phase="data_wait"}`), one sample per rank, labelled
-`run_id`, `job`, `rank`, `host`; a field a rank does not report (nil) has no sample.
+phase times as `fsdpx_phase_seconds{phase="data_wait"}`, the comm wait inside forward,
+backward and the optimizer step as `fsdpx_comm_wait_in_phase_seconds{phase="forward"}`),
+one sample per rank, labelled `run_id`, `job`, `rank`, `host`; a field a rank does not
+report (nil, or absent from an older publisher's records) has no sample.
 
 [Note: Prometheus access]
 Prometheus scrapes plain HTTP and cannot do the relay's HMAC handshake (DESIGN, Round 2
@@ -50,6 +52,24 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
 )
 PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer", "comm_wait", "h2d")
 """The phase label values of fsdpx_phase_seconds (record fields `<phase>_s`)."""
+COMM_SPLIT: tuple[str, ...] = ("forward", "backward", "optimizer")
+"""The phase label values of fsdpx_comm_wait_in_phase_seconds (record fields
+`comm_wait_<phase>_s`, protocol.COMM_SPLIT_FIELDS)."""
+# (family, phases, record field of a phase, help)
+_PHASE_FAMILIES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+    (
+        "fsdpx_phase_seconds",
+        PHASES,
+        "{}_s",
+        "time of the rank's last step spent in each phase",
+    ),
+    (
+        "fsdpx_comm_wait_in_phase_seconds",
+        COMM_SPLIT,
+        "comm_wait_{}_s",
+        "time of the rank's last step spent waiting for collectives while each phase ran",
+    ),
+)
 
 
 def _number(value: Any) -> str | None:
@@ -97,17 +117,14 @@ def prometheus_text(latest: Mapping[Any, Mapping[str, Any]]) -> str:
                 samples.append(f"{name}{_labels(rec)} {value}")
         if samples:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", *samples]
-    phase_samples = []
-    for rec in records:
-        for phase in PHASES:
-            value = _number(rec.get(f"{phase}_s"))
-            if value is not None:
-                labels = _labels(rec, f'phase="{phase}"')
-                phase_samples.append(f"fsdpx_phase_seconds{labels} {value}")
-    if phase_samples:
-        out += [
-            "# HELP fsdpx_phase_seconds time of the rank's last step spent in each phase",
-            "# TYPE fsdpx_phase_seconds gauge",
-            *phase_samples,
-        ]
+    for name, phases, field_of, help_text in _PHASE_FAMILIES:
+        phase_samples = []
+        for rec in records:
+            for phase in phases:
+                value = _number(rec.get(field_of.format(phase)))
+                if value is not None:
+                    labels = _labels(rec, f'phase="{phase}"')
+                    phase_samples.append(f"{name}{labels} {value}")
+        if phase_samples:
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", *phase_samples]
     return "\n".join(out) + "\n" if out else ""

@@ -76,6 +76,17 @@ PHASE_FIELDS: tuple[str, ...] = (
 after version 1 shipped, so optional: records of older publishers and logs lack them and
 readers treat a missing one as nil (DESIGN, Round 2 clarification 5: no version bump)."""
 
+COMM_SPLIT_FIELDS: tuple[str, ...] = (
+    "comm_wait_forward_s",
+    "comm_wait_backward_s",
+    "comm_wait_optimizer_s",
+)
+"""The part of `comm_wait_s` spent while forward, backward or the optimizer step was open,
+in seconds (fsdpx/telemetry/phases.py [Note: comm wait by phase]): 0.0 when the phase ran
+with no wait in it, nil when the phase was not timed. Optional, added after the
+PHASE_FIELDS (no version bump): older records lack them, read as nil, and the monitor
+then scores forward and backward as before (monitor/stragglers.py)."""
+
 MOE_FIELDS: tuple[str, ...] = ("moe_tokens", "moe_dropped", "moe_imbalance")
 """Per-step expert load of a rank with mixture-of-experts layers (fsdpx/telemetry/moe_load.py):
 expert rows computed (int), assignments dropped by capacity (int), the worst layer's
@@ -122,6 +133,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "sent_all_reduce",
     *MOE_FIELDS,
     *PHASE_FIELDS,
+    *COMM_SPLIT_FIELDS,
 )
 """Keys of a per-step record, in this order; every key is present, None where unknown.
 Units: time in Unix seconds, memory and comm_bytes in bytes, device_util in percent
@@ -132,7 +144,7 @@ DESIGN Round 2 clarification 5) are the bytes this rank sent during the step thr
 fsdpx.comm, per collective kind (FSDP's all-gathers, its reduce-scatters or qgZ's
 all-to-alls, fsdpx's all-reduces; formulas in fsdpx/comm/counted.py); older publishers
 omit them and readers take a missing one as None; so are the MOE_FIELDS (see there).
-The PHASE_FIELDS come last and may be absent (see there)."""
+The PHASE_FIELDS, then the COMM_SPLIT_FIELDS, come last and may be absent (see there)."""
 
 EVENT_KINDS: tuple[str, ...] = (
     "start",
