@@ -181,6 +181,27 @@ def test_plane_compressor_only_for_byte_planes_at_level_1(tmp_path: Path) -> Non
             assert plane != own.compress(exponent)
 
 
+def test_a_plane_is_compressed_only_when_it_shrinks_below_80_percent(tmp_path: Path) -> None:
+    # [Note: byte-plane coding]: a top plane of 112 equally likely byte values compresses to
+    # ~0.86 (it was compressed under the former 90% bar) and is stored raw; 64 values
+    # compress to ~0.76 and are worth it.
+    rng = np.random.default_rng(0)
+    w = RankWriter(tmp_path, 0)
+    for values in (112, 64):
+        b = rng.integers(0, 256, (8192, 4), dtype=np.uint8)
+        b[:, 3] = rng.integers(0, values, 8192)
+        t = torch.from_numpy(b.reshape(-1).view(np.float32).copy())
+        w.add(f"model/v{values}", t, global_shape=t.shape, offsets=(0,))
+    w.close()
+    chunks = {p["name"]: p["chunks"] for p in index_body(tmp_path)["pieces"]}
+    assert [c[4] for c in chunks["model/v112"]] == [CODEC_RAW]
+    ((offset, stored, _, _, codec),) = chunks["model/v64"]
+    assert codec == CODEC_PLANES
+    frame = (tmp_path / "rank-00000.data").read_bytes()[offset : offset + stored]
+    sizes = struct.unpack_from("<4I", frame)
+    assert sizes[:3] == (8192,) * 3 and 0.7 * 8192 < sizes[3] < 0.8 * 8192
+
+
 def test_codec2_in_a_1_0_index_is_a_format_error(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN / "planes", tmp_path / "c")
     d = tmp_path / "c"
