@@ -29,7 +29,6 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import torch
-import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint_tools.format import CheckpointReader, codec, write_manifest  # noqa: E402
@@ -77,20 +76,18 @@ def kernels_table(chunk: int) -> None:
 
 
 def chunk_table(chunk: int, level: int) -> None:
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    cctx = codec.compressors(level)  # what the writer uses ([Note: plane compressor])
     print(f"one chunk of {chunk >> 20} MiB, zstd level {level}: ms (best of 5), stored/raw")
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
         _chunk_row(trained_like(chunk // size, dtype), dtype, size, cctx)
 
 
-def _chunk_row(
-    raw: np.ndarray, dtype: torch.dtype, size: int, cctx: zstandard.ZstdCompressor
-) -> None:
+def _chunk_row(raw: np.ndarray, dtype: torch.dtype, size: int, cctx: codec.Compressors) -> None:
     scratch, dst = np.empty_like(raw), np.empty_like(raw)
 
     def old() -> bytes:  # format 1.0: shuffle, zstd over the whole chunk, CRC
         NumpyKernels().shuffle_crc(raw, size, scratch, [False] * size)
-        frame = cctx.compress(scratch.data)
+        frame = cctx.whole.compress(scratch.data)  # zstd's own level parameters, as 1.0
         zlib.crc32(frame)
         return frame
 
@@ -128,13 +125,12 @@ def gil_table(chunk: int, level: int, jobs: int) -> None:
     raw = trained_like(chunk // 4, torch.float32)
 
     def encode_work() -> None:
-        cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        cctx = codec.compressors(level)
         scratch = np.empty_like(raw)
         for _ in range(jobs):
             codec.encode(raw, 4, cctx, native, scratch)
 
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    enc = codec.encode(raw, 4, cctx, native, np.empty_like(raw))
+    enc = codec.encode(raw, 4, codec.compressors(level), native, np.empty_like(raw))
     stored = memoryview(b"".join(bytes(p) for p in enc.parts))
 
     def decode_work() -> None:  # what a load's reader threads run: CRC, zstd, unshuffle

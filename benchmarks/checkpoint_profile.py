@@ -1,9 +1,10 @@
 """Where one rank's checkpoint save spends its time, per stage (issue 22's profile).
 
 One process writes one rank's files with `RankWriter` (what `engine.save_checkpoint` does
-on each rank after collecting its shards), over a trained-like state: fp32 (or bf16)
-weights ~N(0, 0.02) plus Adam moments, `--params-m` million parameters. Each stage is
-timed where it is called:
+on each rank after collecting its shards), over the state `benchmarks/checkpoint.py`
+saves: its model (fp32 or bf16 weights ~N(0, 0.02)) after one AdamW step, parameters plus
+exp_avg and exp_avg_sq, `--params-m` million parameters. Each stage is timed where it is
+called:
 
 * sample: `codec.worth_compressing` (zstd over a sample of each plane);
 * shuffle+CRC: the kernels' one-pass shuffle (and CRC-32 of the raw planes);
@@ -31,6 +32,7 @@ timing pread, CRC, zstd and unshuffle (CPU seconds of all threads).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -73,6 +75,23 @@ def timed(stage: str, fn: Callable[..., Any], *, wall: bool = False) -> Callable
     return run
 
 
+_sampling = threading.local()
+
+
+def timed_sample(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The sample's own zstd calls count to "sample", not to "zstd"."""
+    inner = timed("sample", fn)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _sampling.on = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _sampling.on = False
+
+    return run
+
+
 class TimedKernels:
     def __init__(self, inner: Any) -> None:
         self.name = inner.name
@@ -84,7 +103,22 @@ class TimedKernels:
 
 class TimedCctx:
     def __init__(self, inner: Any) -> None:
-        self.compress = timed("zstd", inner.compress)
+        self._inner = inner
+        self._timed = timed("zstd", inner.compress)
+
+    def compress(self, data: Any) -> bytes:
+        if getattr(_sampling, "on", False):
+            return self._inner.compress(data)  # type: ignore[no-any-return]
+        return self._timed(data)  # type: ignore[no-any-return]
+
+
+def level1_everywhere() -> codec.Compressors:
+    whole = codec.compressors(1).whole  # one thread's, as the writer asks for them
+    return codec.Compressors(whole, whole)
+
+
+def timed_compressors(inner: codec.Compressors) -> codec.Compressors:
+    return codec.Compressors(TimedCctx(inner.planes), TimedCctx(inner.whole))  # type: ignore[arg-type]
 
 
 class TimedFile:
@@ -96,15 +130,30 @@ class TimedFile:
         return getattr(self._inner, name)
 
 
+@functools.cache
 def state(params: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(params, generator=g) * 0.02
-    m = torch.randn(params, generator=g) * 1e-3
-    v = torch.rand(params, generator=g) * 1e-6
+    """The state `benchmarks/checkpoint.py` saves, in one piece per kind: a stack of 12
+    tanh Linear blocks (weights ~N(0, 0.02)) after one AdamW step on a batch of 2, its
+    parameters, exp_avg and exp_avg_sq each flattened into one tensor. The moments' byte
+    planes differ from the weights' (exp_avg_sq is the square of a gradient), so a
+    synthetic stand-in would mis-state what the plane decisions see."""
+    layers = 12
+    width = max(1, int((params / layers) ** 0.5))
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        fc = torch.nn.Linear(width, width)
+        torch.nn.init.normal_(fc.weight, std=0.02)
+        blocks += [fc, torch.nn.Tanh()]
+    model = torch.nn.Sequential(*blocks).to(dtype)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, width, dtype=dtype)).pow(2).mean().backward()
+    opt.step()
+    ps = list(model.parameters())
     return {
-        "model/w": w.to(dtype),
-        "optim/w/exp_avg": m.to(dtype),
-        "optim/w/exp_avg_sq": v.to(dtype),
+        "model/w": torch.cat([p.detach().reshape(-1) for p in ps]),
+        "optim/w/exp_avg": torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in ps]),
+        "optim/w/exp_avg_sq": torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in ps]),
     }
 
 
@@ -118,7 +167,7 @@ def profile(
     # old: every plane through zstd and the numpy kernels, the work format 1.0's codec 1
     # did (shuffle, then zstd over all of it) before byte-plane coding and the native op
     worth = (lambda raw, size, cctx: [True] * size) if old else real_worth
-    codec.worth_compressing = timed("sample", worth)  # type: ignore[assignment]
+    codec.worth_compressing = timed_sample(worth)  # type: ignore[assignment]
     real_fsync_file, real_fsync_dir = writer_mod.fsync_file, writer_mod.fsync_dir
     writer_mod.fsync_file = timed("fsync", real_fsync_file, wall=True)  # type: ignore[assignment]
     writer_mod.fsync_dir = timed("fsync", real_fsync_dir, wall=True)  # type: ignore[assignment]
@@ -127,8 +176,11 @@ def profile(
         kernels = NumpyKernels() if old else checkpoint_kernels()
         t0, c0 = time.perf_counter(), time.process_time()
         w = RankWriter(directory, 0, threads=threads, kernels=TimedKernels(kernels))  # type: ignore[arg-type]
-        real_new = w._new_cctx
-        w._new_cctx = lambda: TimedCctx(real_new())  # type: ignore[method-assign,assignment,return-value]
+        if old:  # 1.0 compressed whole chunks at zstd's own level-1 parameters
+            w._new_compressors = lambda: timed_compressors(level1_everywhere())  # type: ignore[method-assign]
+        else:
+            real_new = w._new_compressors
+            w._new_compressors = lambda: timed_compressors(real_new())  # type: ignore[method-assign]
         w._f = TimedFile(w._f)  # type: ignore[assignment]
         for name, t in tensors.items():
             w.add(name, t, global_shape=t.shape, offsets=(0,))
@@ -160,7 +212,7 @@ def load_profile(
     preallocated tensors (`read_into`, chunks queued across tensors), on `threads`."""
     write_manifest(directory, world_size=1, rank_files=[info], state={})
     seconds.clear()
-    outs = {name: torch.empty(params, dtype=dtype) for name in state(0, dtype)}
+    outs = {name: torch.empty_like(t) for name, t in state(params, dtype).items()}
     for t in outs.values():
         t.fill_(0)  # first-touch page faults happen here, not in the timed load
     real_stored, real_decompress = files.DataFiles.stored, codec._decompress

@@ -68,14 +68,21 @@ def test_golden_planes_bytes_match_writer(tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes() == (GOLDEN / "planes" / name).read_bytes(), name
 
 
-def test_golden_planes_layout_follows_spec() -> None:
-    data = (GOLDEN / "planes" / "rank-00000.data").read_bytes()
+# planes_zstd_defaults/: the same tensors and the same format, written before byte planes
+# got their own zstd table ([Note: plane compressor]); kept so that files of that writer
+# are checked against the spec and read, as every 1.1 file must be.
+PLANES_GOLDEN = ["planes", "planes_zstd_defaults"]
+
+
+@pytest.mark.parametrize("golden", PLANES_GOLDEN)
+def test_golden_planes_layout_follows_spec(golden: str) -> None:
+    data = (GOLDEN / golden / "rank-00000.data").read_bytes()
     assert data[:16] == b"FSDPXDAT" + struct.pack("<HHI", 1, 1, 0)
-    index = (GOLDEN / "planes" / "rank-00000.index").read_bytes()
+    index = (GOLDEN / golden / "rank-00000.index").read_bytes()
     assert struct.unpack_from("<HH", index, 8) == (1, 1)
-    manifest = (GOLDEN / "planes" / "MANIFEST").read_bytes()
+    manifest = (GOLDEN / golden / "MANIFEST").read_bytes()
     assert struct.unpack_from("<HH", manifest, 8) == (1, 0)  # 1.1 adds nothing to MANIFEST
-    pieces = {p["name"]: p for p in index_body(GOLDEN / "planes")["pieces"]}
+    pieces = {p["name"]: p for p in index_body(GOLDEN / golden)["pieces"]}
     expect = {
         "model/w": (weights(2048), 4, [False, False, False, True]),
         "model/h": (weights(2048, 1).bfloat16(), 2, [False, True]),
@@ -101,12 +108,13 @@ def test_golden_planes_layout_follows_spec() -> None:
     assert pieces["model/i"]["chunks"][0][4] in (CODEC_RAW, CODEC_SHUFFLE_ZSTD)
 
 
-@pytest.mark.parametrize("compression", ["none", "zstd", "planes"])
+@pytest.mark.parametrize("compression", ["none", "zstd", *PLANES_GOLDEN])
 def test_golden_checkpoints_of_both_versions_load(compression: str) -> None:
+    planes = compression in PLANES_GOLDEN
     with CheckpointReader(GOLDEN / compression) as r:
-        assert r.format_version == ((1, 1) if compression == "planes" else (1, 0))
+        assert r.format_version == ((1, 1) if planes else (1, 0))
         assert torch.equal(r.read("model/z"), torch.zeros(64))
-        if compression == "planes":
+        if planes:
             assert torch.equal(r.read("model/w").view(-1), weights(2048))
             assert torch.equal(r.read("model/h"), weights(2048, 1).bfloat16())
             assert torch.equal(
@@ -133,6 +141,65 @@ def test_version_is_the_lowest_that_describes_the_files(tmp_path: Path) -> None:
         if want is not None:
             assert minor == want
         assert torch.equal(CheckpointReader(d).read("model/x"), data)
+
+
+def test_plane_compressor_only_for_byte_planes_at_level_1(tmp_path: Path) -> None:
+    # [Note: plane compressor]: byte planes at level 1 use hash_log 6; one-byte elements
+    # (codec 1) and other levels use zstd's own parameters for the level.
+    w32, u8 = weights(4096), torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+
+    def frames(level: int) -> tuple[bytes, bytes]:
+        d = tmp_path / f"l{level}"
+        w = RankWriter(d, 0, level=level)
+        w.add("model/w", w32, global_shape=w32.shape, offsets=(0,))
+        w.add("model/u", u8, global_shape=u8.shape, offsets=(0,))
+        w.close()
+        data = (d / "rank-00000.data").read_bytes()
+        (wp, up) = index_body(d)["pieces"]
+        (offset, stored, _, _, codec), ((u_off, u_stored, _, _, u_codec),) = (
+            wp["chunks"][0],
+            up["chunks"],
+        )
+        assert (codec, u_codec) == (CODEC_PLANES, CODEC_SHUFFLE_ZSTD)
+        frame = data[offset : offset + stored]
+        sizes = struct.unpack_from("<4I", frame)
+        return frame[16 + sum(sizes[:3]) :], data[u_off : u_off + u_stored]
+
+    exponent = weights(4096).view(torch.uint8).numpy().reshape(-1, 4)[:, 3].tobytes()
+    small_table = zstandard.ZstdCompressionParameters.from_level(
+        1, hash_log=6, write_content_size=True
+    )
+    for level, planes in (
+        (1, zstandard.ZstdCompressor(compression_params=small_table)),
+        (3, zstandard.ZstdCompressor(level=3, write_content_size=True)),
+    ):
+        plane, whole = frames(level)
+        own = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        assert plane == planes.compress(exponent)
+        assert whole == own.compress(u8.numpy().tobytes())
+        if level == 1:  # the small table does change the frame
+            assert plane != own.compress(exponent)
+
+
+def test_a_plane_is_compressed_only_when_it_shrinks_below_80_percent(tmp_path: Path) -> None:
+    # [Note: byte-plane coding]: a top plane of 112 equally likely byte values compresses to
+    # ~0.86 (it was compressed under the former 90% bar) and is stored raw; 64 values
+    # compress to ~0.76 and are worth it.
+    rng = np.random.default_rng(0)
+    w = RankWriter(tmp_path, 0)
+    for values in (112, 64):
+        b = rng.integers(0, 256, (8192, 4), dtype=np.uint8)
+        b[:, 3] = rng.integers(0, values, 8192)
+        t = torch.from_numpy(b.reshape(-1).view(np.float32).copy())
+        w.add(f"model/v{values}", t, global_shape=t.shape, offsets=(0,))
+    w.close()
+    chunks = {p["name"]: p["chunks"] for p in index_body(tmp_path)["pieces"]}
+    assert [c[4] for c in chunks["model/v112"]] == [CODEC_RAW]
+    ((offset, stored, _, _, codec),) = chunks["model/v64"]
+    assert codec == CODEC_PLANES
+    frame = (tmp_path / "rank-00000.data").read_bytes()[offset : offset + stored]
+    sizes = struct.unpack_from("<4I", frame)
+    assert sizes[:3] == (8192,) * 3 and 0.7 * 8192 < sizes[3] < 0.8 * 8192
 
 
 def test_codec2_in_a_1_0_index_is_a_format_error(tmp_path: Path) -> None:

@@ -11,12 +11,39 @@ the three lower planes to 1.00 (measured, benchmarks/checkpoint.py's model); for
 exponent plane is half the data. Running zstd over incompressible planes costs most of
 the compression time and buys nothing, so codec 2 (format 1.1) decides per chunk and per
 plane: a sample of each plane (4 x 1024 elements, spread over the chunk, taken from the
-unshuffled bytes) is compressed, and only planes whose sample shrinks below 90% are
+unshuffled bytes) is compressed, and only planes whose sample shrinks below 80% are
 compressed whole; the others are stored raw (no codec call at all, and their CRC comes
 out of the shuffle pass). A chunk where no plane is worth it is stored raw without
-shuffling. Faster zstd levels were measured and lose too much on the exponent plane
-(level -1: 0.66 instead of 0.37), so level 1 stays the default. The decision depends only
-on the data, never on the kernels, so every writer of the same bytes writes the same file.
+shuffling. The decision depends only on the data, never on the kernels, so every writer
+of the same bytes writes the same file. Why 80%: a compressed plane costs the same CPU
+whatever it saves, and zstd costs several times what writing the bytes it saves would
+(~1.4 against ~0.3 ns per byte on one core, the profile). The exponent planes save
+60-70%; the one plane measured between 80% and 90% is bf16 exp_avg_sq's low byte
+(exponent bit and mantissa: 0.875), where a 90% bar spent a quarter of a bf16 save's
+zstd time on 2% of its bytes (benchmarks/checkpoint_profile.py).
+
+[Note: plane compressor] What zstd sees in a compressed plane is a sign/exponent byte
+stream with few distinct values and few long repeats: nearly all of its output is
+Huffman-coded literals. At level 1 most of the time went to the match finder's hash
+table (2^14 entries for a 1 MiB plane: a cache miss per position) for matches that
+barely exist. Byte planes are therefore compressed at level 1 with the smallest table
+zstd allows (hash_log 6), measured on the benchmark model's AdamW state (4 MiB chunks,
+the compressed planes of weights, exp_avg and exp_avg_sq, one core): fp32 0.338 -> 0.351
+of the planes' bytes at 290 -> 700 MB/s, bf16 0.471 -> 0.482 at 350 -> 750 MB/s; that is
+zstd's own literal-only speed (level -50 with literal compression forced on: 0.357 at
+610 MB/s). Negative levels are no alternative: they also turn off literal compression
+(level -1: 0.62 instead of 0.34). Other planes lose nothing measurable: whole chunks of
+int64 arange, int32 token ids, 90%-zero fp32 and fp16 weights stored the same or smaller.
+What the small table gives up are long repeats: Adam moments after one step on a batch of
+2 (the benchmark's state) are a rank-2 outer product, so their exponent planes repeat
+row by row, which level 1's table finds (exponent plane 0.10 at 2M parameters, width
+408) and this one does not (0.38). On that state a whole save stores 0.798 -> 0.841 of
+the raw bytes at 2M parameters, 0.813 -> 0.843 at 10M, 0.830 -> 0.840 at 20M, unchanged
+(0.838 of DCP) at 100M; after 10 steps on batches of 64 (10M) the gap is 0.828 -> 0.833,
+and weights' planes come out smaller (0.368 -> 0.340: fewer short matches interrupting
+the Huffman-coded literals). One-byte elements (codec 1: the chunk itself, which may
+well hold long repeats) and levels other than 1 (asked for explicitly, for their ratio)
+get zstd's own parameters.
 
 [Note: checksum choice] CRC-32 (zlib's polynomial) over the *stored* bytes, so `verify`
 never has to decompress. It detects accidental damage (bit rot, truncation, torn writes);
@@ -46,7 +73,32 @@ from checkpoint_tools.format.layout import CODEC_PLANES, CODEC_RAW, CODEC_SHUFFL
 _ZSTD_UNKNOWN = zstandard.CONTENTSIZE_UNKNOWN
 SAMPLE_SEGMENTS = 4
 SAMPLE_ELEMENTS = 1024  # per segment
-WORTH_RATIO = 0.9  # compress a plane only when its sample shrinks below this
+WORTH_RATIO = 0.8  # compress a plane only when its sample shrinks below this
+
+
+PLANE_HASH_LOG = 6  # [Note: plane compressor]
+
+
+@dataclass(frozen=True)
+class Compressors:
+    """One thread's zstd contexts (a ZstdCompressor must not be used by two threads at
+    once): `planes` for byte planes of elements of 2 bytes or more, `whole` for chunks of
+    one-byte elements ([Note: plane compressor])."""
+
+    planes: zstandard.ZstdCompressor
+    whole: zstandard.ZstdCompressor
+
+
+def compressors(level: int) -> Compressors:
+    """Fresh contexts for zstd `level` (no zstd checksum: the chunk CRC covers the frame;
+    the content size is always declared, FORMAT.md §3.1)."""
+    whole = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    if level != 1:
+        return Compressors(whole, whole)
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, hash_log=PLANE_HASH_LOG, write_content_size=True, write_checksum=False
+    )
+    return Compressors(zstandard.ZstdCompressor(compression_params=params), whole)
 
 
 @dataclass(frozen=True)
@@ -80,25 +132,38 @@ def worth_compressing(raw: np.ndarray, size: int, cctx: zstandard.ZstdCompressor
     return out
 
 
+def _keep(frame: bytes, space: np.ndarray) -> np.ndarray:
+    """`frame` copied to the start of `space` (writable, at least as long). Why: zstd
+    returns read-only `bytes`, which the native CRC cannot take without a copy (torch
+    refuses read-only buffers), so zlib's CRC ran on every frame at a fifth of the native
+    speed; a copy of the frame while it is in cache and the native CRC cost less. The
+    writer writes the copy, so the `bytes` are freed at once."""
+    stored = space[: len(frame)]
+    stored[...] = np.frombuffer(frame, dtype=np.uint8)
+    return stored
+
+
 def encode(
     raw: np.ndarray,
     size: int,
-    cctx: zstandard.ZstdCompressor | None,
+    zstd: Compressors | None,
     kernels: Kernels,
     scratch: np.ndarray,
 ) -> Encoded:
-    """Encode one chunk (uint8, a whole number of `size`-byte elements). `cctx` None means
+    """Encode one chunk (uint8, a whole number of `size`-byte elements). `zstd` None means
     compression "none" (always raw); `scratch` holds the shuffled planes (len(raw) bytes).
     Falls back to raw when coding does not make the chunk smaller."""
-    if cctx is None or len(raw) == 0:
+    if zstd is None or len(raw) == 0:
         return _raw(raw, kernels)
+    cctx = zstd.whole if size == 1 else zstd.planes
     worth = worth_compressing(raw, size, cctx)
     if not any(worth):
         return _raw(raw, kernels)
     if size == 1:  # one plane: the data itself (codec 1; its shuffle is the identity)
         frame = cctx.compress(raw.data)
         if len(frame) < len(raw):
-            return Encoded(CODEC_SHUFFLE_ZSTD, [frame], len(frame), kernels.crc32(frame))
+            stored = _keep(frame, scratch)
+            return Encoded(CODEC_SHUFFLE_ZSTD, [stored.data], len(frame), kernels.crc32(stored))
         return _raw(raw, kernels)
     n = len(raw) // size
     plane_crcs = kernels.shuffle_crc(raw, size, scratch, [not w for w in worth])
@@ -109,8 +174,9 @@ def encode(
         if worth[k]:
             frame = cctx.compress(plane.data)
             if len(frame) < n:
-                parts.append(frame)
-                crcs.append(kernels.crc32(frame))
+                stored = _keep(frame, plane)  # the raw plane is not needed any more
+                parts.append(stored.data)
+                crcs.append(kernels.crc32(stored))
                 continue
             plane_crcs[k] = kernels.crc32(plane.data)  # sampled wrong: stored raw after all
         parts.append(plane.data)

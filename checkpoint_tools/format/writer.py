@@ -20,7 +20,6 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 import torch
-import zstandard
 
 from checkpoint_tools.format import codec
 from checkpoint_tools.format.kernels import DEFAULT_KERNELS, Kernels
@@ -278,11 +277,11 @@ class RankWriter:
 
     def _encode(self, raw: np.ndarray, size: int) -> tuple[codec.Encoded, np.ndarray]:
         buf = self._take_buffer()
-        # a ZstdCompressor must not be used by two threads at once: one per thread
-        cctx = getattr(self._local, "cctx", None)
-        if cctx is None and self._compress:
-            cctx = self._local.cctx = self._new_cctx()
-        return codec.encode(raw, size, cctx, self.kernels, buf[: len(raw)]), buf
+        # a ZstdCompressor must not be used by two threads at once: one set per thread
+        zstd = getattr(self._local, "zstd", None)
+        if zstd is None and self._compress:
+            zstd = self._local.zstd = self._new_compressors()
+        return codec.encode(raw, size, zstd, self.kernels, buf[: len(raw)]), buf
 
     def _take_buffer(self) -> np.ndarray:
         try:
@@ -295,10 +294,8 @@ class RankWriter:
                 return np.empty(self.chunk_bytes, dtype=np.uint8)
         return self._free.get()
 
-    def _new_cctx(self) -> zstandard.ZstdCompressor:
-        return zstandard.ZstdCompressor(
-            level=self.level, write_content_size=True, write_checksum=False
-        )
+    def _new_compressors(self) -> codec.Compressors:
+        return codec.compressors(self.level)  # [Note: plane compressor]
 
     def close(self) -> dict[str, Any]:
         """Fsync the data file, write and fsync the index. Returns this rank's entry for

@@ -15,7 +15,9 @@ class CheckpointConfig:
     compression: Literal["zstd", "none"] = "zstd"
     """Frames are byte-shuffled and zstd-compressed, or stored as they are."""
     zstd_level: int = 1
-    """zstd level; higher levels cost much more time for little size on weights."""
+    """zstd level; higher levels cost much more time for little size on weights. At 1 the
+    byte planes use a small zstd match table ([Note: plane compressor] in
+    checkpoint_tools/format/codec.py)."""
     async_save: bool = False
     """Snapshot to host memory and write from a background thread; training continues.
     (With NVMe optimizer offload the save is synchronous: see fsdpx/checkpoint/saving.py.)"""

@@ -180,6 +180,94 @@ FSDPX_SHUFFLE_CLONES void shuffle_block(const uint8_t* __restrict src, uint8_t* 
   }
 }
 
+#ifdef FSDPX_SHUFFLE_X86
+// [Note: one-load shuffle] The loop above reads each source byte S times (once per plane,
+// the compiler vectorising each strided gather separately). These read 16 elements once:
+// a byte shuffle within each 16-byte load groups the bytes by plane, then 32-bit (S = 4) or
+// 64-bit (S = 2) unpacks transpose the groups, and each plane gets one 16-byte store. SSSE3
+// only (pshufb), so one version serves every x86-64 CPU of the last 15 years. Measured on
+// 4 MiB fp32 chunks, one core (AVX-512 host, so against the v4 clone): 9.0 -> 12.7 GB/s in
+// cache, 5.9 -> 7.5 GB/s from a cold 600 MB source (a memcpy: 9.2-9.8), shuffle+CRC of
+// three planes 4.9 -> 6.0 GB/s cold; for S = 2 the clone was already as fast (11.9 -> 12.3).
+__attribute__((target("ssse3"))) inline __m128i load_by(const uint8_t* p, __m128i order) {
+  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), order);
+}
+
+__attribute__((target("ssse3"))) inline void store(uint8_t* p, __m128i v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
+}
+
+__attribute__((target("ssse3"))) void shuffle4_ssse3(const uint8_t* __restrict src,
+                                                       uint8_t* __restrict dst, int64_t n,
+                                                       int64_t begin, int64_t end) {
+  const __m128i by_plane = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  uint8_t* p0 = dst;
+  uint8_t* p1 = dst + n;
+  uint8_t* p2 = dst + 2 * n;
+  uint8_t* p3 = dst + 3 * n;
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const uint8_t* s = src + 4 * i;
+    // a..d: 32-bit lane k holds byte k of 4 consecutive elements
+    const __m128i a = load_by(s, by_plane), b = load_by(s + 16, by_plane);
+    const __m128i c = load_by(s + 32, by_plane), d = load_by(s + 48, by_plane);
+    const __m128i ab_lo = _mm_unpacklo_epi32(a, b);  // a0 b0 a1 b1
+    const __m128i ab_hi = _mm_unpackhi_epi32(a, b);  // a2 b2 a3 b3
+    const __m128i cd_lo = _mm_unpacklo_epi32(c, d);
+    const __m128i cd_hi = _mm_unpackhi_epi32(c, d);
+    store(p0 + i, _mm_unpacklo_epi64(ab_lo, cd_lo));  // a0 b0 c0 d0: byte 0 of 16 elements
+    store(p1 + i, _mm_unpackhi_epi64(ab_lo, cd_lo));
+    store(p2 + i, _mm_unpacklo_epi64(ab_hi, cd_hi));
+    store(p3 + i, _mm_unpackhi_epi64(ab_hi, cd_hi));
+  }
+  for (; i < end; ++i) {
+    p0[i] = src[4 * i];
+    p1[i] = src[4 * i + 1];
+    p2[i] = src[4 * i + 2];
+    p3[i] = src[4 * i + 3];
+  }
+}
+
+__attribute__((target("ssse3"))) void shuffle2_ssse3(const uint8_t* __restrict src,
+                                                       uint8_t* __restrict dst, int64_t n,
+                                                       int64_t begin, int64_t end) {
+  const __m128i by_plane = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  uint8_t* p0 = dst;
+  uint8_t* p1 = dst + n;
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const uint8_t* s = src + 2 * i;
+    // a, b: low 8 bytes = byte 0 of 8 consecutive elements, high 8 = their byte 1
+    const __m128i a = load_by(s, by_plane), b = load_by(s + 16, by_plane);
+    store(p0 + i, _mm_unpacklo_epi64(a, b));
+    store(p1 + i, _mm_unpackhi_epi64(a, b));
+  }
+  for (; i < end; ++i) {
+    p0[i] = src[2 * i];
+    p1[i] = src[2 * i + 1];
+  }
+}
+
+bool has_ssse3() {
+  static const bool yes = __builtin_cpu_supports("ssse3");
+  return yes;
+}
+#endif
+
+template <int S>
+void shuffle_block_best(const uint8_t* src, uint8_t* dst, int64_t n, int64_t begin, int64_t end) {
+#ifdef FSDPX_SHUFFLE_X86
+  if constexpr (S == 4 || S == 2) {
+    if (has_ssse3()) {
+      if constexpr (S == 4) shuffle4_ssse3(src, dst, n, begin, end);
+      else shuffle2_ssse3(src, dst, n, begin, end);
+      return;
+    }
+  }
+#endif
+  shuffle_block<S>(src, dst, n, begin, end);
+}
+
 template <int S>
 FSDPX_SHUFFLE_CLONES void unshuffle_block(const uint8_t* const* planes, uint8_t* __restrict dst,
                                           int64_t begin, int64_t end) {
@@ -212,7 +300,7 @@ void shuffle_crc_impl(const uint8_t* src, uint8_t* dst, int64_t n, const std::ve
                       uint32_t* crc) {
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t e = std::min(n, b + kBlock);
-    shuffle_block<S>(src, dst, n, b, e);
+    shuffle_block_best<S>(src, dst, n, b, e);
     for (int k = 0; k < S; ++k)
       if (want[k]) crc[k] = crc32_update(crc[k], dst + k * n + b, static_cast<size_t>(e - b));
   }
