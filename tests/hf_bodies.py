@@ -39,9 +39,14 @@ def sample_ids(seed: int = 3, batch: int = 2, seq: int = 12) -> torch.Tensor:
 
 
 # Modules the load path must not import ([Note: engine imports on first use] in
-# fsdpx/engine.py, [Note: offload imports on first use], [Note: onebit on first use]).
+# fsdpx/engine.py, [Note: offload imports on first use], [Note: onebit on first use],
+# [Note: MoE and sequence on first use] in fsdpx/parallelize.py).
 DEFERRED_MODULES = (
     "checkpoint_tools",
+    "fsdpx.moe",
+    "fsdpx.sequence",
+    "fsdpx.pipeline_parallel",
+    "torch.distributed.pipelining",
     "msgpack",  # (not zstandard: transformers' own imports load it)
     "fsdpx.checkpoint",
     "fsdpx.export",
