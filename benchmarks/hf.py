@@ -35,7 +35,8 @@ before the call to a barrier after it (slowest rank).
 Both sides then run one forward of the same tokens; the logits must agree (checked).
 Printed: each run, the medians, and the ratios against the goals (RSS growth <= 0.6x the
 model's bytes and <= 0.5x the fsdp2 side's, time <= 1.0x). The files are read from the
-page cache by both sides (each run follows another).
+page cache by both sides (each run follows another), flushed to disk once after they are
+written so that no write-back of them runs during the timed loads.
 
 Part 2, Trainer step (`--part trainer`)
 ---------------------------------------
@@ -141,6 +142,15 @@ def _save_model(config: Any, path: Path) -> int:
             p.normal_(0.0, 0.02)
         model.model.rotary_emb.__init__(config)  # the buffer to_empty left uninitialised
     model.save_pretrained(path)
+    # Flush the files now: the kernel writes dirty pages back ~30 s after they were written
+    # (vm.dirty_expire_centisecs), i.e. during the timed runs, slowing whichever side runs
+    # then. After fsync the pages stay in the page cache, clean, for both sides alike.
+    for f in path.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 

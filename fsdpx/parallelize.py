@@ -31,6 +31,14 @@ move to the device. After `_materialize` every part is sharded and holds its ini
 steps on the initial weights belong right there, before a pipeline runner is built around
 the parts.
 
+[Note: MoE and sequence on first use] fsdpx.moe (24 modules with fsdpx.zero's) and
+fsdpx.sequence (11) are imported where a layout uses them: moe.plan, mesh.ep > 1, a model
+holding an fsdpx MoE layer (which needs fsdpx.moe imported to exist, so `fsdpx.moe` in
+sys.modules is the cheap test), mesh.sp > 1 or context_parallel.mlp_tile_tokens. A plain
+ZeRO run, and fsdpx.hf.from_pretrained in particular, skipped them: on 2 CPU ranks they
+were ~0.5 MiB of each rank's peak RSS and 25-70 ms inside the first fsdpx.shard
+(tests/hf_bodies.py DEFERRED_MODULES pins it).
+
 [Note: no resharding under PP] Under pipeline parallelism every FSDP block keeps its
 parameters gathered after forward (`reshard_after_forward=False`) whatever the ZeRO
 stage says. Zero-bubble schedules split backward into an input-gradient and a later
@@ -52,6 +60,7 @@ keeps its own context; on GPU this costs separate streams per local stage.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,19 +74,11 @@ from fsdpx.activation_checkpoint import apply_activation_checkpointing
 from fsdpx.config import Config
 from fsdpx.init_sync import broadcast_initial_state_
 from fsdpx.materialize import materialize_
-from fsdpx.moe.parallel import (
-    apply_expert_parallel,
-    build_expert_mesh,
-    check_expert_parallel,
-    shard_experts,
-)
-from fsdpx.moe.plan import apply_moe_plan
 from fsdpx.offload.build import offload_policy
 from fsdpx.optimizers import EXCHANGING_OPTIMIZERS
 from fsdpx.parallel_dims import Axis, ParallelDims
 from fsdpx.pipeline_split import merged_view
 from fsdpx.precision import mp_policy
-from fsdpx.sequence.apply import apply_sequence_parallel
 from fsdpx.tensor_parallel import apply_tensor_parallel, build_plan, check_plan
 from fsdpx.tp_plans import TPPlan
 from fsdpx.zero import apply_zero, stage_plan
@@ -166,9 +167,16 @@ def parallelize(
         model.to(torch.bfloat16)
     # moe.plan's blocks get stacked experts and fsdpx's dispatch, at every ep
     # ([Note: planned blocks] in fsdpx/moe/plan.py); the same on every rank.
-    apply_moe_plan(model, cfg.moe.plan)
-    # Before the first collective: every rank gets the same verdict.
-    check_expert_parallel(model, dims, cfg.zero.stage)
+    if cfg.moe.plan:
+        from fsdpx.moe.plan import apply_moe_plan
+
+        apply_moe_plan(model, cfg.moe.plan)
+    # Before the first collective: every rank gets the same verdict. A model can hold an
+    # fsdpx MoE layer only once fsdpx.moe is imported ([Note: MoE and sequence on first use]).
+    if dims.ep > 1 or "fsdpx.moe" in sys.modules:
+        from fsdpx.moe.parallel import check_expert_parallel
+
+        check_expert_parallel(model, dims, cfg.zero.stage)
     if not on_meta:
         model.to(device)
     if materialize:
@@ -191,7 +199,11 @@ def parallelize(
     offload = offload_policy(cfg)
     # See [Note: no resharding under PP]; None keeps the ZeRO stage's setting.
     block_raf = pp_block_reshard_after_forward if split is not None else None
-    expert_mesh = build_expert_mesh(dims, device.type) if dims.ep > 1 else None
+    expert_mesh = None
+    if dims.ep > 1:
+        from fsdpx.moe.parallel import build_expert_mesh
+
+        expert_mesh = build_expert_mesh(dims, device.type)
 
     for part in parts:
         present = {n for n, _ in part.named_modules()}
@@ -262,9 +274,15 @@ def parallelize_part(
         )
     # Sequence parallelism (mesh.sp; Hugging Face models: their attention registry, native
     # models: the engine's UlyssesSDPA mode) and tiled MLP ([Note: recipe order]).
-    recompute_context = apply_sequence_parallel(part, list(blocks), cfg=cfg, mesh=mesh)
+    recompute_context = None
+    if mesh[Axis.SP.value].size() > 1 or cfg.context_parallel.mlp_tile_tokens:
+        from fsdpx.sequence.apply import apply_sequence_parallel
+
+        recompute_context = apply_sequence_parallel(part, list(blocks), cfg=cfg, mesh=mesh)
     # Expert parallelism (mesh.ep): experts split over ep, tokens move by all_to_all.
     if expert_mesh is not None:
+        from fsdpx.moe.parallel import apply_expert_parallel
+
         apply_expert_parallel(part, expert_mesh)
     # 2. Activation checkpointing.
     apply_activation_checkpointing(
@@ -277,6 +295,8 @@ def parallelize_part(
     # 4. FSDP: the experts over the expert-data-parallel ranks first (they sit inside
     # blocks), then the ZeRO stage's sharding, per block, then the part's root.
     if expert_mesh is not None:
+        from fsdpx.moe.parallel import shard_experts
+
         assert dims is not None
         raf = stage_plan(cfg.zero).block_reshard_after_forward
         shard_experts(

@@ -33,8 +33,6 @@ from fsdpx.parallelize import parallelize
 from fsdpx.param_groups import name_groups, resolve_groups
 from fsdpx.precision import build_loss_scaler
 from fsdpx.schedulers import build_scheduler
-from fsdpx.sequence.hf_model import is_hf_model
-from fsdpx.sequence.plan import build_sequence_plan, check_sequence_config
 from fsdpx.telemetry.start import start_telemetry
 from fsdpx.zero import dims_for_stage
 
@@ -112,8 +110,14 @@ def shard(
     info = init_distributed(cfg)
     dims = dims_for_stage(ParallelDims.from_config(cfg.mesh, info.world_size), cfg.zero)
     # Before the mesh (and its groups) exist: every rank raises the same error.
-    check_sequence_config(cfg, dims, loss_fn=loss_fn, model=model)
-    hf_model = is_hf_model(model)
+    hf_model = False
+    if dims.sp > 1:  # [Note: MoE and sequence on first use] in fsdpx/parallelize.py
+        from fsdpx.sequence.hf_model import is_hf_model
+        from fsdpx.sequence.plan import check_sequence_config
+
+        check_sequence_config(cfg, dims, loss_fn=loss_fn, model=model)
+        hf_model = is_hf_model(model)
+
     mesh = dims.build_mesh(info.device.type)
     # Sub-mesh groups default to a 30-minute timeout; a dead peer must fail within ours.
     set_process_group_timeouts(
@@ -142,6 +146,11 @@ def shard(
     if _exchanges_gradients(opt):
         opt.attach(cast(nn.Module, sharded))  # type: ignore[attr-defined]
     try:
+        sequence = None  # the plan for mesh.sp > 1
+        if dims.sp > 1:
+            from fsdpx.sequence.plan import build_sequence_plan
+
+            sequence = build_sequence_plan(cfg, dims, mesh, hf_model=hf_model)
         sched = build_scheduler(opt, cfg.scheduler) if lr_scheduler is None else lr_scheduler(opt)
         return Engine(
             module=sharded,
@@ -156,7 +165,7 @@ def shard(
             pipeline=built.pipeline,
             telemetry=start_telemetry(cfg, info, model, opt),
             optimizer_step=offloaded.step,
-            sequence=build_sequence_plan(cfg, dims, mesh, hf_model=hf_model),
+            sequence=sequence,
         )
     except BaseException:
         # An offloaded optimizer holds a locked swap file and hooks: release them, or a

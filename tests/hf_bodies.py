@@ -39,9 +39,14 @@ def sample_ids(seed: int = 3, batch: int = 2, seq: int = 12) -> torch.Tensor:
 
 
 # Modules the load path must not import ([Note: engine imports on first use] in
-# fsdpx/engine.py, [Note: offload imports on first use], [Note: onebit on first use]).
+# fsdpx/engine.py, [Note: offload imports on first use], [Note: onebit on first use],
+# [Note: MoE and sequence on first use] in fsdpx/parallelize.py).
 DEFERRED_MODULES = (
     "checkpoint_tools",
+    "fsdpx.moe",
+    "fsdpx.sequence",
+    "fsdpx.pipeline_parallel",
+    "torch.distributed.pipelining",
     "msgpack",  # (not zstandard: transformers' own imports load it)
     "fsdpx.checkpoint",
     "fsdpx.export",
@@ -63,24 +68,36 @@ def deferred_imported() -> list[str]:
     )
 
 
-def load_and_save(
-    rank: int, world_size: int, jobs: list[tuple[str, str | None, dict[str, Any]]]
-) -> list[dict[str, Any]]:
-    """For each (src, out, cfg): from_pretrained under cfg, logits of sample_ids, the
-    DEFERRED_MODULES imported by then, and save_pretrained to out when given. One spawn
-    for several loads (transformers imports are slow)."""
+def load_and_save(rank: int, world_size: int, jobs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """For each (src, out, cfg[, kwargs]): from_pretrained under cfg (with kwargs; a
+    `staging_bytes` entry sets fsdpx.hf.loading.STAGING_BYTES for that load), logits of
+    sample_ids, the DEFERRED_MODULES imported by then, and save_pretrained to out when
+    given. One spawn for several loads (transformers imports are slow)."""
     return [_load_one(*job) for job in jobs]
 
 
-def _load_one(src: str, out: str | None, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+def _load_one(
+    src: str, out: str | None, cfg_dict: dict[str, Any], kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     import fsdpx
     import fsdpx.hf
+    import fsdpx.hf.loading
 
-    engine, info = fsdpx.hf.from_pretrained(
-        LlamaForCausalLM, src, fsdpx.Config.from_dict(cfg_dict), output_loading_info=True
-    )
+    kwargs = dict(kwargs or {})
+    staging = fsdpx.hf.loading.STAGING_BYTES
+    fsdpx.hf.loading.STAGING_BYTES = kwargs.pop("staging_bytes", staging)
+    try:
+        engine, info = fsdpx.hf.from_pretrained(
+            LlamaForCausalLM,
+            src,
+            fsdpx.Config.from_dict(cfg_dict),
+            output_loading_info=True,
+            **kwargs,
+        )
+    finally:
+        fsdpx.hf.loading.STAGING_BYTES = staging
     engine.eval()
     with torch.no_grad():
         logits = engine(sample_ids()).logits
@@ -90,7 +107,14 @@ def _load_one(src: str, out: str | None, cfg_dict: dict[str, Any]) -> dict[str, 
     if out is not None:
         engine.save_pretrained(out)
     tied = engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
-    return {"logits": logits.detach().clone(), "info": info, "tied": tied, "deferred": deferred}
+    dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
+    return {
+        "logits": logits.detach().clone(),
+        "info": info,
+        "tied": tied,
+        "deferred": deferred,
+        "dtypes": dtypes,
+    }
 
 
 def data_bytes(path: Path) -> int:

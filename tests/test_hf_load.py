@@ -25,7 +25,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model.save_pretrained(root / "sharded", max_shard_size="20KB")
     with torch.no_grad():
         logits = model(sample_ids()).logits
-    return {"root": root, "logits": logits, "model": model}
+    # The same weights stored in bf16: loaded into fp32 they equal the bf16 values exactly.
+    model.to(torch.bfloat16).save_pretrained(root / "bf16")
+    model.to(torch.float32)
+    with torch.no_grad():
+        logits_bf16 = model(sample_ids()).logits
+    model = tiny_llama()
+    return {"root": root, "logits": logits, "logits_bf16": logits_bf16, "model": model}
 
 
 def test_zero3_two_ranks_read_only_their_bytes_and_save_loads_in_transformers(
@@ -38,8 +44,18 @@ def test_zero3_two_ranks_read_only_their_bytes_and_save_loads_in_transformers(
     assert len(list((root / "sharded").glob("*.safetensors"))) > 1
     out = tmp_path / "out"
     zero3 = {"zero": {"stage": 3}}
-    jobs = [(str(root / "single"), str(out), zero3), (str(root / "sharded"), None, zero3)]
+    # Third: bf16 file into fp32 parameters, cast through a staging buffer of 1000 bytes
+    # (500 elements: each shard goes through in several chunks, runs cut between them).
+    cast = {"dtype": "fp32", "staging_bytes": 1000}
+    jobs = [
+        (str(root / "single"), str(out), zero3),
+        (str(root / "sharded"), None, zero3),
+        (str(root / "bf16"), None, zero3, cast),
+    ]
     per_rank = run_ranks(load_and_save, 2, (jobs,))
+    for r in per_rank:
+        assert r[2]["dtypes"] == ["torch.float32"]
+        torch.testing.assert_close(r[2]["logits"], saved["logits_bf16"])
     for j, layout in enumerate(["single", "sharded"]):
         src = root / layout
         data, headers = data_bytes(src), header_bytes(src)

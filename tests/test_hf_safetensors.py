@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpx.hf.local_slices import element_runs
+from fsdpx.hf.local_slices import element_runs, split_runs
 from fsdpx.hf.safetensors_read import SafetensorsError, SafetensorsFile
 
 
@@ -95,6 +95,20 @@ def test_element_runs_merge_and_split() -> None:
     assert element_runs((4, 3), [[0, 2], [0, 1, 2]]) == [(0, 3), (6, 3)]
     assert element_runs((), []) == [(0, 1)]
     assert element_runs((0, 3), [[], [0, 1, 2]]) == []
+    # Ranges (what local_index_lists returns for whole and Shard dims) give the same runs.
+    assert element_runs((4, 3), [range(2, 4), range(3)]) == [(6, 6)]
+    assert element_runs((2, 3), [range(2), range(1, 3)]) == [(1, 2), (4, 2)]
+    assert element_runs((4, 3), [range(4), range(3)]) == [(0, 12)]
+    assert element_runs((0, 3), [range(0), range(3)]) == []
+
+
+def test_split_runs_cuts_runs_into_groups_of_at_most_the_limit() -> None:
+    runs = [(0, 5), (10, 2), (20, 7)]
+    groups = list(split_runs(runs, 4))
+    assert groups == [[(0, 4)], [(4, 1), (10, 2), (20, 1)], [(21, 4)], [(25, 2)]]
+    assert all(sum(c for _, c in g) <= 4 for g in groups)
+    assert list(split_runs(runs, 100)) == [runs]
+    assert list(split_runs([], 4)) == []
 
 
 def test_import_without_transformers_says_how_to_install() -> None:
