@@ -154,12 +154,13 @@ def test_a_rank_without_the_split_is_not_named_for_waiting() -> None:
 
 def test_split_values_that_are_not_times_fall_back_to_the_phase_time() -> None:
     # A hostile or partial record: a split that is nil, negative or a string leaves the
-    # phase scored by its time; a wait larger than the phase makes its compute 0, not < 0.
+    # phase scored by its time (every rank's, that step); a wait larger than the phase
+    # makes its compute 0, not < 0.
     scores = StragglerScores(ScoreSettings())
     for step in range(1, 9):
         for rank in range(4):
             rec: dict[str, Any] = {f: 0.1 for f in PHASE_FIELDS}
-            rec.update(comm_wait_forward_s=0.0, comm_wait_backward_s=0.0)
+            rec.update(comm_wait_forward_s=0.0, comm_wait_backward_s=0.0, comm_wait_optimizer_s=0.0)
             rec["step_time_s"] = 0.8
             if rank == 1:
                 rec.update(forward_s=0.5, comm_wait_forward_s="0.4")  # not a time: 0.5
