@@ -286,8 +286,9 @@ def test_a_span_a_raise_left_open_does_not_claim_later_waits_of_its_step() -> No
     # evaluates, saves a checkpoint, retries) must not leave FORWARD open: waits timed
     # after it, outside any span, count in comm_wait_s only, not in comm_wait_forward_s
     # (which would then exceed the forward time it is part of). Review rev6.
-    engine = fsdpx.shard(make_model(), fsdpx.Config.from_dict({"optimizer": {"lr": LR}}))
-    vocab = engine.module.config.vocab_size
+    model = make_model()
+    vocab = model.config.vocab_size
+    engine = fsdpx.shard(model, fsdpx.Config.from_dict({"optimizer": {"lr": LR}}))
     clock = phase_clock()
     clock.enable(torch.device("cpu"))
     try:
