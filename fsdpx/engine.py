@@ -132,8 +132,17 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         token = self._clock.begin(FORWARD)
         autocast = autocast_context(self.config.precision.autocast, self.device)
-        with autocast, self._sequence_context():
-            out = self.module(*args, **kwargs)
+        try:
+            with autocast, self._sequence_context():
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            # [Note: spans closed on a raise] A span a raise left open would claim every
+            # comm wait timed later in the step (comm_wait_forward_s: fsdpx/telemetry/
+            # phases.py [Note: comm wait by phase]) until the publisher's take(). It is
+            # closed untimed (token None): recording a CUDA event after a CUDA error would
+            # raise again and hide the error.
+            self._clock.end(FORWARD, None)
+            raise
         self._clock.end(FORWARD, token)
         return out
 
@@ -181,8 +190,12 @@ class Engine:
         if self._sequence is not None:
             factor *= self._sequence.size  # [Note: sp gradient scale]
         token = self._clock.begin(BACKWARD)
-        with loss_context(self._loss_parallel):
-            (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        try:
+            with loss_context(self._loss_parallel):
+                (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        except BaseException:
+            self._clock.end(BACKWARD, None)  # [Note: spans closed on a raise]
+            raise
         self._clock.end(BACKWARD, token)
         if self.telemetry is not None:
             self.telemetry.observe_loss(loss)
@@ -198,6 +211,21 @@ class Engine:
         self.micro_steps += 1
         token = self._clock.begin(OPTIMIZER)
         scale = self.loss_scaler.scale
+        try:
+            skipped = self._optimizer_boundary(scale)
+        except BaseException:
+            self._clock.end(OPTIMIZER, None)  # [Note: spans closed on a raise]
+            raise
+        self._clock.end(OPTIMIZER, token)
+        self.global_steps += 1
+        result = StepResult(self.global_steps, skipped, self._last_grad_norm, scale)
+        if self.telemetry is not None:
+            self.telemetry.on_step(self, result)  # queues a record; never blocks
+        return result
+
+    def _optimizer_boundary(self, scale: float) -> bool:
+        """Unscale, skip on overflow, clip, step the optimizer and scheduler, zero the
+        gradients; returns whether the step was skipped."""
         skipped = False
         inv_scale = 1.0
         if self.loss_scaler.checks_overflow:
@@ -215,12 +243,7 @@ class Engine:
         else:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self._clock.end(OPTIMIZER, token)
-        self.global_steps += 1
-        result = StepResult(self.global_steps, skipped, self._last_grad_norm, scale)
-        if self.telemetry is not None:
-            self.telemetry.on_step(self, result)  # queues a record; never blocks
-        return result
+        return skipped
 
     @guarded
     def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
@@ -290,7 +313,11 @@ class Engine:
 
     def _timed_loss(self, batch: Any) -> torch.Tensor:
         token = self._clock.begin(FORWARD)
-        loss = self._loss_of(batch)
+        try:
+            loss = self._loss_of(batch)
+        except BaseException:
+            self._clock.end(FORWARD, None)  # [Note: spans closed on a raise]
+            raise
         self._clock.end(FORWARD, token)
         return loss
 

@@ -40,7 +40,10 @@ phase clock: fsdpx/telemetry/phases.py [Note: comm wait by phase]). Under FSDP /
 the ranks wait for a slow peer inside their own forward's all-gathers, so their forward
 *times* rise to the slow rank's and it sits at the median; their forward *compute* does
 not, and the rank that made them wait stands out. A record without the split (an older
-publisher or log, a value that is not a time) scores that phase by its time, as before.
+publisher or log, a value that is not a time) scores that phase by its time, as before,
+and so does every other rank's record of that step and phase: compute times are compared
+only with compute times. A rank whose time (which holds its wait) was compared with the
+others' compute would be named a straggler for having waited.
 The split must come from the rank: subtracting the step's whole `comm_wait_s` from
 forward (a heuristic tried and reverted) fails when the waits were in backward: the
 waiting ranks' forward then looks short by their wait, and the rank they waited for
@@ -469,16 +472,21 @@ _NS = len(SCORED_FIELDS)
 
 def _compute_times(times: np.ndarray) -> np.ndarray:
     """The phase columns of a step's (ranks, SCORED_FIELDS) array, forward / backward /
-    optimizer as their compute time where the rank sent the comm wait inside them ([Note:
-    straggler scoring]): time - wait, at least 0; the time itself where the wait is not a
-    time (nil: an older publisher). NaN (no time) stays NaN."""
+    optimizer as their compute time ([Note: straggler scoring]): time - wait, at least 0,
+    where every rank with a time for the phase sent the comm wait inside it; else that
+    phase's times as they are, for every rank (one rank's time, wait included, compared
+    with the others' compute would name it for waiting). NaN (no time) stays NaN."""
     out = times[:, :_NP].copy()
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, an unknown time
         for i, p in enumerate(_SPLIT):
             wait = times[:, _NP + i]
             column = out[:, p]
-            has = (wait >= 0) & (column >= 0)  # NaN compares false
-            out[:, p] = np.where(has, np.maximum(column - np.where(has, wait, 0.0), 0.0), column)
+            timed = column >= 0  # NaN compares false
+            has = (wait >= 0) & timed
+            if has.any() and np.array_equal(has, timed):
+                out[:, p] = np.where(
+                    has, np.maximum(column - np.where(has, wait, 0.0), 0.0), column
+                )
     return out
 
 

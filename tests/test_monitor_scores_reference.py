@@ -21,16 +21,17 @@ SPLIT = {
 """Phase index -> the index of the comm wait inside it in a row (SCORED_FIELDS order)."""
 
 
-def _time(v: tuple[Any, ...], p: int) -> float | None:
-    """Phase p's scored time of a row: its compute time (time - the wait inside it, at
-    least 0) where the wait is a time, else its time; None when it is not a time."""
-    t = v[p]
-    if type(t) not in (int, float) or t < 0:
-        return None
-    w: Any = v[SPLIT[p]] if p in SPLIT else None
-    if type(w) in (int, float) and w >= 0:
-        return max(0.0, float(t) - float(w))
-    return float(t)
+def _real(x: Any) -> bool:
+    return type(x) in (int, float) and x >= 0
+
+
+def _times(row: dict[int, tuple[Any, ...]], p: int) -> dict[int, float]:
+    """Phase p's scored times of a step's rows: compute times (time - the wait inside it,
+    at least 0) where every rank with a time sent its wait as a time, else the times."""
+    times = {r: v for r, v in row.items() if _real(v[p])}
+    if p in SPLIT and times and all(_real(v[SPLIT[p]]) for v in times.values()):
+        return {r: max(0.0, float(v[p]) - float(v[SPLIT[p]])) for r, v in times.items()}
+    return {r: float(v[p]) for r, v in times.items()}
 
 
 class Reference:
@@ -57,7 +58,7 @@ class Reference:
                 self.since[r] = [None] * NP
         step_median = statistics.median(step_times) if step_times else None
         for p in range(NP):
-            times = {r: t for r, v in row.items() if (t := _time(v, p)) is not None}
+            times = _times(row, p)
             if len(times) < 2:
                 continue
             values = sorted(times.values())
@@ -133,7 +134,9 @@ def test_vectorised_scores_equal_the_per_rank_reference() -> None:
                 continue  # stops reporting: steps close by lag
             slow = step in slow_ranks.get(rank, ())
             rec = {f: _value(rng, slow) for f in PHASE_FIELDS}
-            if rank % 4:  # (every fourth rank: an older publisher, no split fields)
+            if rank % 4 or step % 3:  # (every fourth rank at every third step: an
+                # older publisher, no split fields, so forward / backward / optimizer of
+                # that step are scored by time for every rank)
                 for f in COMM_SPLIT_FIELDS:
                     phase = rec[f.replace("comm_wait_", "")]
                     real = type(phase) is float and phase > 0
@@ -163,4 +166,5 @@ def test_vectorised_scores_equal_the_per_rank_reference() -> None:
     events = [(e["rank"], e["detail"]["phase"], e["step"]) for e in scores.take_events()]
     assert events == ref.events and events  # some rank did become chronic
     top = scores.top(5)
-    assert top[0].rank == 3 and top[0].chronic and top == scores.top(5)
+    # led by one of the two ranks slow to the end (their order: their recent slowness)
+    assert top[0].rank in (3, 31) and top[0].chronic and top == scores.top(5)

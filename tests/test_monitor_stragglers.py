@@ -128,14 +128,39 @@ def test_a_wait_in_backward_makes_no_forward_straggler() -> None:
     assert _named(run) == {0: None, 1: None, 2: None, 3: ("forward", True)}
 
 
+def test_a_rank_without_the_split_is_not_named_for_waiting() -> None:
+    # Rank 2 is slow at the start of its forward; the other 7 wait for it inside their
+    # forward. Rank 5's records carry no usable comm wait for forward (an older publisher,
+    # or a value that is not a time): its forward *time*, which holds the wait, must not be
+    # compared with the others' forward *compute* times, or the rank that waited is named
+    # a chronic forward straggler beside the one it waited for (review rev6).
+    for missing in ("absent", None, float("nan"), "0.1", -1.0):
+        run = SyntheticRun(n_ranks=8, slow_phases=(SlowPhase(2, "forward_s", 0.25),))
+        model = MonitorModel()
+        model.add_events(run.start_events())
+        for step in range(1, STEPS + 1):
+            records = run.records(step)
+            for rec in records:
+                if rec["rank"] == 5:
+                    if missing == "absent":
+                        del rec["comm_wait_forward_s"]
+                    else:
+                        rec["comm_wait_forward_s"] = missing
+            model.add_records(records, now=run.time_of(step))
+        named = {r: (row.phase, row.chronic) for r in range(8) if (row := model.stragglers.row(r))}
+        assert 5 not in named, (missing, named)
+        assert all(e["rank"] != 5 for e in model.events if e["kind"] == "straggler"), missing
+
+
 def test_split_values_that_are_not_times_fall_back_to_the_phase_time() -> None:
     # A hostile or partial record: a split that is nil, negative or a string leaves the
-    # phase scored by its time; a wait larger than the phase makes its compute 0, not < 0.
+    # phase scored by its time (every rank's, that step); a wait larger than the phase
+    # makes its compute 0, not < 0.
     scores = StragglerScores(ScoreSettings())
     for step in range(1, 9):
         for rank in range(4):
             rec: dict[str, Any] = {f: 0.1 for f in PHASE_FIELDS}
-            rec.update(comm_wait_forward_s=0.0, comm_wait_backward_s=0.0)
+            rec.update(comm_wait_forward_s=0.0, comm_wait_backward_s=0.0, comm_wait_optimizer_s=0.0)
             rec["step_time_s"] = 0.8
             if rank == 1:
                 rec.update(forward_s=0.5, comm_wait_forward_s="0.4")  # not a time: 0.5

@@ -279,3 +279,26 @@ async def _monitor_flags_the_slow_ranks(address: str) -> None:
         assert chronic() == expected, {r: _flag(app, r) for r in range(4)}
         events = [e for e in app.model.events if e.get("kind") == "straggler"]
         assert sorted((e["rank"], e["detail"]["phase"]) for e in events) == sorted(expected.items())
+
+
+def test_a_span_a_raise_left_open_does_not_claim_later_waits_of_its_step() -> None:
+    # A forward that raises (a bad batch, caught by the user's loop, which then goes on:
+    # evaluates, saves a checkpoint, retries) must not leave FORWARD open: waits timed
+    # after it, outside any span, count in comm_wait_s only, not in comm_wait_forward_s
+    # (which would then exceed the forward time it is part of). Review rev6.
+    model = make_model()
+    vocab = model.config.vocab_size
+    engine = fsdpx.shard(model, fsdpx.Config.from_dict({"optimizer": {"lr": LR}}))
+    clock = phase_clock()
+    clock.enable(torch.device("cpu"))
+    try:
+        clock.take()
+        bad = torch.full((1, 4), vocab + 5)  # token ids past the embedding: IndexError
+        with pytest.raises(IndexError):
+            engine(bad, bad)
+        clock.add(COMM_WAIT, 1.0)  # e.g. FSDP's gathers of a checkpoint save
+        got = clock.take()
+        assert got.seconds[COMM_WAIT] == 1.0
+        assert got.comm_in == [None, None, None]
+    finally:
+        clock.disable()

@@ -205,26 +205,7 @@ _CLOCK = PhaseClock()
 
 
 def phase_clock() -> PhaseClock:
-    """This process's phase clock ([Note: comm wait by phase]
-    Under FSDP / ZeRO-3 a rank that waits for a slow peer waits inside its own forward (the
-    all-gathers) or backward (re-gathers, reduce-scatters), so its forward time rises to the
-    slow rank's and the monitor, comparing forward times, cannot tell the rank that made the
-    others wait from the ranks that waited. What tells them apart is where each rank's comm
-    wait happened: so every comm wait the clock times is also added to the comm wait of the
-    span open at that moment (`comm_wait_forward_s`, `comm_wait_backward_s`,
-    `comm_wait_optimizer_s`; `COMM_SPLIT`), and the monitor scores forward and backward by
-    their compute time, the phase minus the wait inside it (monitor/stragglers.py [Note:
-    straggler scoring]). The open span is one int the engine's `begin` / `end` of forward,
-    backward and optimizer set and clear (the three are disjoint), read by the same `add`
-    / `end` / `add_events` call that times the wait: a comparison and one more addition per
-    wait, no lookup on the training thread beyond a tuple index. On CUDA the wait's event
-    pair is kept twice (once per field) and read on the sender thread. A split field is 0.0
-    when its span ran with no wait in it and nil when the span was not timed at all (no
-    engine: a user's own loop, or pipeline parallelism's forward and backward), so a reader
-    knows which records carry the split. Waits outside the three spans (none in the
-    engine's loop; a user's own collectives between steps) count in `comm_wait_s` only.
-
-    [Note: one phase clock])."""
+    """This process's phase clock ([Note: one phase clock])."""
     return _CLOCK
 
 
