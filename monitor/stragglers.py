@@ -1,6 +1,9 @@
 """Straggler scores from the records' phase times: which rank is slow, in which phase, and
 whether it is chronic or a one-off (issue 21). Computed here, in the monitor, never on the
-training ranks. Pure Python, no Textual.
+training ranks. Pure Python, no Textual. This module buffers the records into steps and
+answers the views (`StragglerScores`); the phase names, thresholds, row type and its text
+are in monitor/straggler_types.py, the per-rank arrays and a step's arithmetic in
+monitor/straggler_arrays.py.
 
 [Note: straggler scoring]
 Records are buffered per step; a step is scored once every rank of the run reported it
@@ -56,110 +59,48 @@ row and its event give the excess over the median in seconds instead.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fsdpx.telemetry.wire.protocol import COMM_SPLIT_FIELDS, PHASE_FIELDS
+from monitor.straggler_arrays import SCORED_FIELDS, ScoreArrays
+from monitor.straggler_arrays import optional_float as _opt
+from monitor.straggler_types import CAUSES as _CAUSES
+from monitor.straggler_types import (
+    PHASE_LABELS,
+    PHASE_NAMES,
+    RATIO_SHOWN_UP_TO,
+    ScoreSettings,
+    StragglerRow,
+    compare_text,
+    phases_of,
+)
 
-PHASE_NAMES: tuple[str, ...] = tuple(f[: -len("_s")] for f in PHASE_FIELDS)
-"""data_wait, forward, backward, optimizer, comm_wait, h2d (record order)."""
-PHASE_LABELS = {
-    "data_wait": "data wait",
-    "forward": "forward",
-    "backward": "backward",
-    "optimizer": "optimizer step",
-    "comm_wait": "comm wait",
-    "h2d": "H2D copy",
-}
-_CAUSES = tuple(i for i, name in enumerate(PHASE_NAMES) if name != "comm_wait")
-_NP = len(PHASE_FIELDS)
-SCORED_FIELDS = PHASE_FIELDS + COMM_SPLIT_FIELDS
-"""The record fields the scorer reads, in the order of its row tuples."""
-_SPLIT = tuple(PHASE_FIELDS.index(f.replace("comm_wait_", "")) for f in COMM_SPLIT_FIELDS)
-"""Per COMM_SPLIT_FIELDS entry: the phase whose wait it is (forward, backward, optimizer)."""
+__all__ = [
+    "CLOSE_LAG",
+    "PHASE_LABELS",
+    "PHASE_NAMES",
+    "RATIO_SHOWN_UP_TO",
+    "SCORED_FIELDS",
+    "ScoreSettings",
+    "StragglerRow",
+    "StragglerScores",
+    "compare_text",
+    "phases_of",
+]
+"""Also the names of monitor/straggler_types.py and monitor/straggler_arrays.py that
+callers import from here."""
+
 CLOSE_LAG = 3
 """A step is scored at the latest when a record this many steps later arrived."""
 _MAX_OPEN_STEPS = 64
 
 
-@dataclass(frozen=True)
-class ScoreSettings:
-    """Straggler thresholds (MonitorSettings carries one; defaults are the CLI's)."""
-
-    factor: float = 1.5
-    """Slow in a phase: above factor x the phase's median over the ranks."""
-    min_excess: float = 0.05
-    """... and more than this fraction of the median step time above that median."""
-    alpha: float = 0.15
-    """EWMA weight of the newest step (scores and slowness)."""
-    chronic_level: float = 0.5
-    """Slowness (EWMA of the slow indicator) at which a rank is a chronic straggler."""
-
-    def __post_init__(self) -> None:
-        if self.factor <= 1.0:
-            raise ValueError(
-                f"expected a straggler factor > 1, found {self.factor}; 1.5 flags phases "
-                "50% slower than the median"
-            )
-        if not 0.0 < self.alpha <= 1.0:
-            raise ValueError(f"expected 0 < straggler alpha <= 1, found {self.alpha}")
-        if not 0.0 < self.chronic_level <= 1.0:
-            raise ValueError(f"expected 0 < chronic level <= 1, found {self.chronic_level}")
-        if self.min_excess < 0.0:
-            raise ValueError(f"expected min_excess >= 0, found {self.min_excess}")
-
-
-@dataclass(frozen=True)
-class StragglerRow:
-    """One rank in the stragglers view."""
-
-    rank: int
-    host: Any
-    phase: str
-    """The cause: the phase with the largest excess over its median."""
-    ratio: float | None
-    """That phase's time / its median at the last scored step."""
-    chronic: bool
-    chronic_steps: int
-    """Steps since it became chronic in `phase` (0 when not chronic)."""
-    slowness: float
-    relative: float | None
-    individual: float | None
-    excess: float | None = None
-    """That phase's time minus its median at the last scored step, seconds."""
-
-    def text(self) -> str:
-        """'rank 517 on node031: data wait 2.3x median, chronic for 40 steps'."""
-        where = f" on {self.host}" if self.host is not None else ""
-        state = f"chronic for {self.chronic_steps} steps" if self.chronic else "one-off"
-        how = compare_text(self.ratio, self.excess)
-        return f"rank {self.rank}{where}: {PHASE_LABELS[self.phase]} {how}, {state}"
-
-
-RATIO_SHOWN_UP_TO = 100.0
-"""Above this a phase's ratio to its median is shown as its excess in seconds ([Note:
-straggler scoring])."""
-
-
-def compare_text(ratio: float | None, excess: float | None) -> str:
-    """'2.3x median', or '+0.300 s over median' where the median is (near) 0."""
-    if ratio is not None and ratio <= RATIO_SHOWN_UP_TO:
-        return f"{ratio:.1f}x median"
-    if excess is not None:
-        return f"+{excess:.3f} s over median"
-    return "- median"
-
-
 class StragglerScores:
     """Per-rank, per-phase scores of one run, fed with its records ([Note: straggler
     scoring]). `add` is cheap per record; the cross-rank work runs once per step, on numpy
-    arrays indexed by a rank's slot ([Note: vectorised scoring]).
+    arrays indexed by a rank's slot (monitor/straggler_arrays.py [Note: vectorised scoring]).
 
     Example::
 
@@ -175,20 +116,8 @@ class StragglerScores:
         """rank -> row of the state arrays (ranks in order of first arrival)."""
         self._rank_of: list[int] = []
         self._hosts: list[Any] = []
-        # Per-slot state, one row per rank and one column per phase (NaN: none yet).
-        self._relative = _state(0, np.nan, float)
-        self._individual = _state(0, np.nan, float)
-        self._best = _state(0, np.nan, float)
-        self._ratio = _state(0, np.nan, float)
-        """Last scored time / the phase's median (NaN: no time or a zero median)."""
-        self._excess = _state(0, np.nan, float)
-        """Last scored time - the phase's median, seconds."""
-        self._slowness = _state(0, 0.0, float)
-        self._slow = _state(0, False, bool)
-        self._since = _state(0, -1, np.int64)
-        """Step the rank became chronic in the phase; -1: not chronic."""
-        self._step = np.zeros(0, dtype=np.int64)
-        """The last scored step each rank took part in."""
+        self._arrays = ScoreArrays()
+        """Per-slot state, one row per rank and one column per phase."""
         self._open: dict[int, dict[int, tuple[Any, ...]]] = {}
         """step -> {slot: the record's phase values as received}."""
         self._step_times: dict[int, list[float]] = {}
@@ -204,31 +133,11 @@ class StragglerScores:
         """The run's world size (from its start events) once known: a step is complete
         when that many ranks reported it."""
 
-    def _grow(self, capacity: int) -> None:
-        """Reallocate the per-slot state for `capacity` slots, keeping what is there."""
-        n = len(self._rank_of)
-        for name, fill in (
-            ("_relative", np.nan),
-            ("_individual", np.nan),
-            ("_best", np.nan),
-            ("_ratio", np.nan),
-            ("_excess", np.nan),
-            ("_slowness", 0.0),
-            ("_slow", False),
-            ("_since", -1),
-        ):
-            old = getattr(self, name)
-            new = _state(capacity, fill, old.dtype)
-            new[:n] = old[:n]
-            setattr(self, name, new)
-        step = np.zeros(capacity, dtype=np.int64)
-        step[:n] = self._step[:n]
-        self._step = step
-
     def _new_slot(self, rank: int) -> int:
         slot = len(self._rank_of)
-        if slot >= len(self._step):
-            self._grow(max(64, 2 * len(self._step)))
+        arrays = self._arrays
+        if slot >= arrays.capacity:
+            arrays.grow(max(64, 2 * arrays.capacity), used=slot)
         self._slot[rank] = slot
         self._rank_of.append(rank)
         self._hosts.append(None)
@@ -310,66 +219,16 @@ class StragglerScores:
             self._scored_through = step
 
     def _score(self, step: int, row: dict[int, tuple[Any, ...]], step_times: list[float]) -> None:
-        # [Note: vectorised scoring] At 4,096 ranks a step is 6 x 4,096 rank-phase updates;
-        # as a Python loop that was half of the monitor's ingest CPU. Here each phase is a
-        # handful of numpy operations over the ranks that reported it, with the same
-        # arithmetic (IEEE doubles both ways; NaN stands for "none"). Values that are not
-        # int/float (bool, str, nil: the monitor survives any publisher) are unknown, as
-        # are negative ones, exactly as the per-rank loop treated them.
-        cfg = self.settings
-        a = cfg.alpha
-        keep = 1.0 - a
-        step_median = statistics.median(step_times) if step_times else None
+        """Score one step (its slots' values as received) and make an event for each rank
+        that became chronic in a phase of its own."""
         self.last_scored_step = step
         self._version += 1
-        slots = np.fromiter(row, dtype=np.intp, count=len(row))
-        values = list(row.values())
-        times = None
-        if _REAL_OR_NONE.issuperset(map(type, itertools.chain.from_iterable(values))):
-            with contextlib.suppress(OverflowError):  # an int beyond float's range
-                times = np.array(values, dtype=float).reshape(len(values), _NS)  # None: NaN
-        if times is None:
-            times = np.array([[_as_time(v) for v in r] for r in values], dtype=float)
-        times = _compute_times(times)
-        for p in range(_NP):
-            column = times[:, p]
-            ok = column >= 0  # NaN compares false
-            if np.count_nonzero(ok) < 2:
-                continue
-            v = column[ok]
-            idx = slots[ok]
-            fastest, median = float(v.min()), float(np.median(v))
-            base = step_median if step_median is not None else float(v.mean())
-            cut = max(median * cfg.factor, median + cfg.min_excess * base)
-            self._step[idx] = step
-            positive = v > 0
-            safe = np.where(positive, v, 1.0)
-            rel = np.where(positive, fastest / safe, 1.0)
-            best = np.fmin(self._best[idx, p], v)  # fmin: a NaN (no best yet) gives v
-            self._best[idx, p] = best
-            ind = np.where(positive, best / safe, 1.0)
-            prev = self._relative[idx, p]
-            self._relative[idx, p] = np.where(np.isnan(prev), rel, a * rel + keep * prev)
-            prev = self._individual[idx, p]
-            self._individual[idx, p] = np.where(np.isnan(prev), ind, a * ind + keep * prev)
-            slow = v > cut
-            self._slow[idx, p] = slow
-            self._ratio[idx, p] = v / median if median > 0 else np.nan
-            self._excess[idx, p] = v - median
-            slowness = a * slow + keep * self._slowness[idx, p]
-            self._slowness[idx, p] = slowness
-            chronic = slowness >= cfg.chronic_level
-            since = self._since[idx, p]
-            became = chronic & (since < 0)
-            since = np.where(became, step, np.where(chronic, since, -1))
-            self._since[idx, p] = since
-            if p in _CAUSES and became.any():
-                for slot in idx[became].tolist():
-                    self._events.append(self._chronic_event(slot, p, step))
+        for slot, p in self._arrays.score(step, row, step_times, self.settings):
+            self._events.append(self._chronic_event(slot, p, step))
 
     def _chronic_event(self, slot: int, p: int, step: int) -> dict[str, Any]:
-        ratio = _opt(self._ratio[slot, p])
-        excess = _opt(self._excess[slot, p])
+        ratio = _opt(self._arrays.ratio[slot, p])
+        excess = _opt(self._arrays.excess[slot, p])
         return {
             "rank": self._rank_of[slot],
             "host": self._hosts[slot],
@@ -393,13 +252,14 @@ class StragglerScores:
         return out
 
     def _row_of(self, slot: int) -> StragglerRow | None:
-        since = self._since[slot]
+        arrays = self._arrays
+        since = arrays.since[slot]
         chronic = [p for p in _CAUSES if since[p] >= 0]
-        slow = [p for p in _CAUSES if self._slow[slot, p]]
+        slow = [p for p in _CAUSES if arrays.slow[slot, p]]
         pool = chronic or slow
         if not pool:
             return None
-        ratios = self._ratio[slot]
+        ratios = arrays.ratio[slot]
         p = max(pool, key=lambda i: 0.0 if np.isnan(ratios[i]) else float(ratios[i]))
         began = int(since[p])
         return StragglerRow(
@@ -407,12 +267,12 @@ class StragglerScores:
             host=self._hosts[slot],
             phase=PHASE_NAMES[p],
             ratio=_opt(ratios[p]),
-            excess=_opt(self._excess[slot, p]),
+            excess=_opt(arrays.excess[slot, p]),
             chronic=began >= 0,
-            chronic_steps=0 if began < 0 else int(self._step[slot]) - began + 1,
-            slowness=float(self._slowness[slot, p]),
-            relative=_opt(self._relative[slot, p]),
-            individual=_opt(self._individual[slot, p]),
+            chronic_steps=0 if began < 0 else int(arrays.step[slot]) - began + 1,
+            slowness=float(arrays.slowness[slot, p]),
+            relative=_opt(arrays.relative[slot, p]),
+            individual=_opt(arrays.individual[slot, p]),
         )
 
     def row(self, rank: int) -> StragglerRow | None:
@@ -436,7 +296,8 @@ class StragglerScores:
         over the arrays, not a row per rank)."""
         n = len(self._rank_of)
         causes = list(_CAUSES)
-        flagged = (self._since[:n, causes] >= 0).any(axis=1) | self._slow[:n, causes].any(axis=1)
+        arrays = self._arrays
+        flagged = (arrays.since[:n, causes] >= 0).any(axis=1) | arrays.slow[:n, causes].any(axis=1)
         return np.nonzero(flagged)[0].tolist()  # type: ignore[no-any-return]
 
     def flagged(self) -> frozenset[int]:
@@ -452,7 +313,7 @@ class StragglerScores:
         """Per rank: the last scored time of `phase` / its median (the heat strip)."""
         p = PHASE_NAMES.index(phase)
         n = len(self._rank_of)
-        ratios = self._ratio[:n, p].tolist()
+        ratios = self._arrays.ratio[:n, p].tolist()
         return {r: _opt(ratios[s]) for r, s in sorted(self._slot.items())}
 
     def scores(self, rank: int) -> dict[str, tuple[float | None, float | None]]:
@@ -461,66 +322,6 @@ class StragglerScores:
         if slot is None:
             return {}
         return {
-            name: (_opt(self._relative[slot, i]), _opt(self._individual[slot, i]))
+            name: (_opt(self._arrays.relative[slot, i]), _opt(self._arrays.individual[slot, i]))
             for i, name in enumerate(PHASE_NAMES)
         }
-
-
-_REAL_OR_NONE = frozenset({float, int, type(None)})
-_NS = len(SCORED_FIELDS)
-
-
-def _compute_times(times: np.ndarray) -> np.ndarray:
-    """The phase columns of a step's (ranks, SCORED_FIELDS) array, forward / backward /
-    optimizer as their compute time ([Note: straggler scoring]): time - wait, at least 0,
-    where every rank with a time for the phase sent the comm wait inside it; else that
-    phase's times as they are, for every rank (one rank's time, wait included, compared
-    with the others' compute would name it for waiting). NaN (no time) stays NaN."""
-    out = times[:, :_NP].copy()
-    with np.errstate(invalid="ignore"):  # inf - inf: NaN, an unknown time
-        for i, p in enumerate(_SPLIT):
-            wait = times[:, _NP + i]
-            column = out[:, p]
-            timed = column >= 0  # NaN compares false
-            has = (wait >= 0) & timed
-            if has.any() and np.array_equal(has, timed):
-                out[:, p] = np.where(
-                    has, np.maximum(column - np.where(has, wait, 0.0), 0.0), column
-                )
-    return out
-
-
-def _state(capacity: int, fill: Any, dtype: Any) -> np.ndarray:
-    return np.full((capacity, _NP), fill, dtype=dtype)
-
-
-def _as_time(value: Any) -> float:
-    """A phase value as a float, NaN when it is not a real number (bool and str included)
-    or beyond float's range."""
-    if not _real(value):
-        return np.nan
-    try:
-        return float(value)
-    except OverflowError:
-        return np.nan
-
-
-def _opt(value: Any) -> float | None:
-    """A state array's float as a Python float, None for NaN."""
-    f = float(value)
-    return None if f != f else f
-
-
-def _real(value: Any) -> bool:
-    t = type(value)
-    return t is float or t is int
-
-
-def phases_of(records: Iterable[dict[str, Any]]) -> list[str]:
-    """The phases any of `records` reports (a CPU run has no h2d; an old log none)."""
-    seen = [False] * _NP
-    for rec in records:
-        for i, f in enumerate(PHASE_FIELDS):
-            if not seen[i] and _real(rec.get(f)):
-                seen[i] = True
-    return [name for name, s in zip(PHASE_NAMES, seen, strict=True) if s]

@@ -1,4 +1,4 @@
-"""The vectorised straggler scorer (monitor/stragglers.py [Note: vectorised scoring])
+"""The vectorised straggler scorer (monitor/straggler_arrays.py [Note: vectorised scoring])
 against a per-rank Python reference of the same rules ([Note: straggler scoring]), on a
 random stream with hostile values (nil, bools, strings, negative and zero times, late
 and repeated records; the comm wait inside forward / backward / optimizer, or not): every
