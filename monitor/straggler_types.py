@@ -6,7 +6,6 @@ numpy, no Textual."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,13 +99,3 @@ def is_real(value: Any) -> bool:
     """An int or float (not a bool, str or None: the monitor survives any publisher)."""
     t = type(value)
     return t is float or t is int
-
-
-def phases_of(records: Iterable[dict[str, Any]]) -> list[str]:
-    """The phases any of `records` reports (a CPU run has no h2d; an old log none)."""
-    seen = [False] * len(PHASE_FIELDS)
-    for rec in records:
-        for i, f in enumerate(PHASE_FIELDS):
-            if not seen[i] and is_real(rec.get(f)):
-                seen[i] = True
-    return [name for name, s in zip(PHASE_NAMES, seen, strict=True) if s]

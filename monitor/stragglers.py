@@ -74,7 +74,6 @@ from monitor.straggler_types import (
     ScoreSettings,
     StragglerRow,
     compare_text,
-    phases_of,
 )
 
 __all__ = [
@@ -87,7 +86,6 @@ __all__ = [
     "StragglerRow",
     "StragglerScores",
     "compare_text",
-    "phases_of",
 ]
 """Also the names of monitor/straggler_types.py and monitor/straggler_arrays.py that
 callers import from here."""
