@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
             if stop.item():
                 log(f"step {step:4d} | stopping: {args.stop_file} appeared (a user stop)")
-                dist.destroy_process_group()
+                _finish(engine)
                 return 0
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     log(
@@ -230,8 +230,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "sample.txt").write_text(sample)
     log(f"--- sample (also in {args.out / 'sample.txt'}) ---\n{sample}\n---")
 
-    dist.destroy_process_group()
+    _finish(engine)
     return 0
+
+
+def _finish(engine: fsdpx.Engine) -> None:
+    """Close the telemetry publisher (its "exit" event, which tells the monitor the ranks
+    finished rather than went quiet, is sent by close(); the os._exit below skips the
+    atexit hook that would otherwise send it), then the process group."""
+    if engine.telemetry is not None:
+        engine.telemetry.close()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
