@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from typing import Any
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command a pipe cut short
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`fsdpx config explain ... | head`): not an error of ours.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 # --- fsdpx config ... -----------------------------------------------------------------

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import subprocess
 import sys
@@ -154,3 +156,21 @@ def test_config_explain_in_a_subprocess() -> None:
     result = _fsdpx("config", "explain", DS_DATA / "zero3_hpz.json", "--world-size", "2")
     assert result.returncode == 0, result.stderr
     assert "zero.hpz_partition_size = 2" in result.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """`fsdpx config explain --all-keys | head`: the pipe closes while the table is being
+    written; the command exits 141 (a shell's code for SIGPIPE) without a traceback. The
+    pipe is shrunk to one page so that the 40 KB table cannot fit in it."""
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, 1031, 4096)  # F_SETPIPE_SZ (Linux)
+    code = "import sys, fsdpx.cli; sys.exit(fsdpx.cli.main(['config', 'explain', '--all-keys']))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE, text=True
+    )
+    os.close(write_end)
+    assert os.read(read_end, 64).startswith(b"| DeepSpeed key")
+    os.close(read_end)  # the reader goes away with the process blocked on a full pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -5,7 +5,7 @@ argument change (`from fsdpx.hf import Trainer`, `fsdpx_config=` the DeepSpeed J
 transformers, and both give the same logits.
 
 The model is a tiny Llama built from a config (nothing is downloaded); the text is random
-tokens where every other token is predictable. Needs `pip install fsdpx[hf]`.
+tokens where every other token is predictable. Needs `pip install 'fsdpx[hf]'` (a clone's scripts/setup.sh installs it).
 
 Launch, from the repository root:
 
