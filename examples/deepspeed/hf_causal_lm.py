@@ -4,7 +4,8 @@ it, both handed to `initialize` (the pattern of many DeepSpeed fine-tuning scrip
 on fsdpx by changing one line: `import deepspeed` -> `import fsdpx.deepspeed as deepspeed`.
 
 The model is a tiny Llama built from a config (nothing is downloaded), the text random
-tokens with a learnable pattern. Needs `pip install fsdpx[hf]`.
+tokens with a learnable pattern. Needs `pip install 'fsdpx[hf]'` (a clone's
+scripts/setup.sh installs it).
 
 Launch, from the repository root:
 
