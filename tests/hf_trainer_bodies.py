@@ -15,19 +15,27 @@ SEQ = 16
 
 
 class PatternData(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Random tokens where every other token is the previous one + 1 (learnable)."""
+    """Random tokens where every other token is the previous one + 1 (learnable).
 
-    def __init__(self, n: int = 64, seed: int = 0) -> None:
+    masked: sample i's labels are -100 on its first i % 11 and its last i % 3 tokens (a
+    prompt and right padding), so valid targets are spread unevenly over sequence halves."""
+
+    def __init__(self, n: int = 64, seed: int = 0, masked: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
         x[:, 1::2] = (x[:, 0::2] + 1) % VOCAB
         self.x = x
+        self.labels = x.clone()
+        if masked:
+            for i in range(n):
+                self.labels[i, : i % 11] = -100
+                self.labels[i, SEQ - i % 3 :] = -100
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
+        return {"input_ids": self.x[i], "labels": self.labels[i]}
 
 
 def training_args(out: str, world: int, **kw: Any) -> Any:

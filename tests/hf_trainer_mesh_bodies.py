@@ -16,6 +16,9 @@ from tests.hf_trainer_bodies import PatternData, training_args
 MESH_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     "tp2": ("llama", {"tensor_parallel": {"autotp_size": 2}}, 1),
     "ep2": ("mixtral", {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 2),
+    # Ulysses over 2 ranks, ZeRO-3 over sp: both ranks train on halves of the same
+    # sequences, whose -100 labels fall unevenly on the halves (PatternData masked)
+    "sp2": ("llama", {"sequence_parallel_size": 2}, 1),
     # 4 ranks (slow tier): two tp groups, each its own data-parallel rank
     "tp2dp2": ("llama", {"tensor_parallel": {"autotp_size": 2}}, 2),
 }
@@ -32,6 +35,10 @@ def _model(kind: str) -> Any:
     model: Any = make_model(kind).train()
     model.resize_token_embeddings(128)
     return model
+
+
+def _data(case: str, n: int = 64, seed: int = 0) -> PatternData:
+    return PatternData(n, seed=seed, masked=case.startswith("sp"))
 
 
 def _ds(case: str) -> dict[str, Any]:
@@ -64,14 +71,14 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _record(trainer: Any, model: torch.nn.Module) -> dict[str, Any]:
+def _record(trainer: Any, model: torch.nn.Module, case: str) -> dict[str, Any]:
     logged = [h for h in trainer.state.log_history if "loss" in h]
     return {
         "losses": [h["loss"] for h in logged],
         "grad_norms": [h.get("grad_norm") for h in logged],
         "params": _full_params(model),
-        "eval_loss": trainer.evaluate(PatternData(16, seed=1))["eval_loss"],
-        "predictions": torch.as_tensor(trainer.predict(PatternData(16, seed=1)).predictions),
+        "eval_loss": trainer.evaluate(_data(case, 16, seed=1))["eval_loss"],
+        "predictions": torch.as_tensor(trainer.predict(_data(case, 16, seed=1)).predictions),
         "total_batch": trainer.get_total_train_batch_size(trainer.args),
     }
 
@@ -84,9 +91,9 @@ def stock(rank: int, world_size: int, tmp: str, cases: list[str]) -> dict[str, A
     for case in cases:
         model = _model(MESH_CASES[case][0])
         args = _args(Path(tmp) / f"stock-{case}", 1, save_strategy="no")
-        trainer = Trainer(model=model, args=args, train_dataset=PatternData())
+        trainer = Trainer(model=model, args=args, train_dataset=_data(case))
         trainer.train()
-        out[case] = _record(trainer, model)
+        out[case] = _record(trainer, model, case)
     return out
 
 
@@ -103,13 +110,14 @@ def meshed(rank: int, world_size: int, tmp: str, cases: list[str]) -> dict[str, 
         trainer = Trainer(
             model=model,
             args=_args(folder, dp),
-            train_dataset=PatternData(),
+            train_dataset=_data(case),
             fsdpx_config=_ds(case),
         )
         trainer.train()
-        result = _record(trainer, model)
+        result = _record(trainer, model, case)
         result["mesh"] = {
             "tp": trainer.engine.parallel_dims.tp,
+            "sp": trainer.engine.parallel_dims.sp,
             "ep": trainer.engine.parallel_dims.ep,
             "dp": trainer.engine.parallel_dims.dp,
         }
@@ -122,7 +130,7 @@ def meshed(rank: int, world_size: int, tmp: str, cases: list[str]) -> dict[str, 
         resumed = Trainer(
             model=model,
             args=_args(folder, dp),
-            train_dataset=PatternData(),
+            train_dataset=_data(case),
             fsdpx_config=_ds(case),
         )
         resumed.train(resume_from_checkpoint=True)

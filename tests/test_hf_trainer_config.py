@@ -205,30 +205,73 @@ def test_best_model_needs_the_checkpoints_fsdpx_state(tmp_path: Path) -> None:
         trainer._load_best_model()
 
 
-@pytest.mark.parametrize("mesh", [{"pp": 2}, {"sp": 2}])
-def test_trainer_refuses_pipeline_and_sequence_parallel_meshes(tmp_path: Path, mesh: dict) -> None:
-    """tp and ep run (tests/test_hf_trainer_mesh.py); pp and sp are refused when the
-    Trainer is built, before any sharding."""
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (
+            {"mesh": {"pp": 2}},
+            r"runs data-, tensor-, sequence- and expert-parallel meshes .* got "
+            r"mesh\.pp=2\. .*use fsdpx\.shard",
+        ),
+        (
+            {"mesh": {"sp": 2}, "context_parallel": {"mode": "ring"}},
+            r"context_parallel\.mode 'ring' under fsdpx\.hf\.Trainer .* use "
+            r"context_parallel\.mode 'ulysses'",
+        ),
+    ],
+)
+def test_trainer_refuses_pipeline_meshes_and_ring_attention(
+    tmp_path: Path, extra: dict, match: str
+) -> None:
+    """tp, sp (Ulysses) and ep run (tests/test_hf_trainer_mesh.py); pp and ring attention
+    are refused when the Trainer is built, before any sharding."""
     from transformers import TrainingArguments
 
     from fsdpx.hf import Trainer
 
     model = _tiny_model()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    with pytest.raises(
-        NotImplementedError,
-        match=r"runs data-, tensor- and expert-parallel meshes .* got mesh\.pp=\d, mesh\.sp=\d\. ",
-    ):
+    with pytest.raises(NotImplementedError, match=match):
         Trainer(
             model=model,
             args=args,
             fsdpx_config={
                 "zero": {"stage": 2},
-                "mesh": mesh,
+                **extra,
                 "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
                 "gradient_clipping": args.max_grad_norm,
             },
         )
+
+
+def test_sequence_parallel_refuses_what_needs_whole_labels(tmp_path: Path) -> None:
+    """mesh.sp splits labels by sequence: a compute_loss_func, label smoothing, or a model
+    whose loss takes no num_items_in_batch are refused ([Note: Trainer under sp])."""
+    from transformers import TrainingArguments
+
+    from fsdpx.hf import Trainer
+    from fsdpx.parallel_dims import ParallelDims
+
+    sp2 = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=1, world_size=2, sp=2)
+
+    def trainer(**kw: Any) -> Any:
+        loss_func = kw.pop("compute_loss_func", None)
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+        return Trainer(model=_tiny_model(), args=args, compute_loss_func=loss_func)
+
+    with pytest.raises(ValueError, match=r"compute_loss_func with mesh\.sp=2: .* drop"):
+        trainer(compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)._check_sequence(
+            sp2
+        )
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0\.1 with mesh\.sp=2: .* to 0"):
+        trainer(label_smoothing_factor=0.1)._check_sequence(sp2)
+    plain = trainer()
+    plain._check_sequence(sp2)  # a transformers causal LM takes num_items_in_batch
+    plain.model_accepts_loss_kwargs = False
+    with pytest.raises(ValueError, match=r"mesh\.sp=2 needs a model whose forward takes num_items"):
+        plain._check_sequence(sp2)
+    with pytest.raises(ValueError, match=r"needs 'input_ids' or 'inputs_embeds' .* \['labels'\]"):
+        plain._sequence_length({"labels": None})
 
 
 def test_dp_rank_drops_the_tensor_and_sequence_coordinates() -> None:
@@ -277,7 +320,9 @@ def test_tensor_parallel_refuses_what_would_count_samples_tp_times(tmp_path: Pat
         _tensor_parallel_trainer(tmp_path, include_num_input_tokens_seen="all")
     trainer = _tensor_parallel_trainer(tmp_path)
     assert trainer.get_tp_size() == 2
-    with pytest.raises(ValueError, match=r"eval_use_gather_object=True with tensor parallelism"):
+    with pytest.raises(
+        ValueError, match=r"eval_use_gather_object=True with tensor or sequence parallelism"
+    ):
         trainer.gather_function(torch.zeros(2), use_gather_object=True)
     trainer.accelerator.dataloader_config.dispatch_batches = True
     loader: Any = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)  # type: ignore[arg-type]

@@ -3,25 +3,29 @@ gathers them, when the mesh has more ranks than data-parallel ones.
 
 [Note: Trainer data over dp] The stock Trainer (through accelerate) gives every rank its
 own slice of each batch. Under tensor parallelism (`mesh.tp`) the tp ranks of a group
-compute on the same samples (DESIGN.md clarification 1: `ParallelDims.dp` drives the
+compute on the same samples, and under sequence parallelism (`mesh.sp`) the sp ranks of a
+group on shards of the same sequences (DESIGN.md clarification 1: `ParallelDims.dp` drives the
 samplers), so this mixin:
 
 - prepares every data loader over the data-parallel ranks only: accelerate's
   `prepare_data_loader` with `num_processes = dp` and `process_index = dp rank` (the rank
-  with the tp coordinate dropped, fsdpx's world-mesh order pp, dp_replicate, dp_shard,
-  sp, tp);
+  with the sp and tp coordinates dropped, fsdpx's world-mesh order pp, dp_replicate,
+  dp_shard, sp, tp);
+- reports the global batch as micro x accumulation x world / (tp x sp) (the Trainer's own
+  formula would count the sp ranks as data-parallel);
 - reports `get_tp_size() = mesh.tp`, which the Trainer already uses for the global batch
   (`micro x accumulation x world / tp`), its token count (the world's sum divided by tp:
   each tp group counted once) and its loss scale (`world / tp` = dp, undone by the
-  gradient average over dp);
+  gradient average over dp); the sp side of the count and scale is in
+  fsdpx/hf/trainer_sequence.py ([Note: Trainer under sp]);
 - gathers evaluation outputs over the data-parallel ranks only: the world's gather,
-  keeping the part of each group's first rank (every rank of a tp group holds the same
-  samples), then accelerate's truncation of the padded last batch;
+  keeping the part of each group's first rank (every rank of a tp x sp group holds the
+  same samples; sp ranks gathered their sequences first), then accelerate's truncation of the padded last batch;
 - refuses `include_num_input_tokens_seen`, which the Trainer sums over the world and would
-  count every sample tp times.
+  count every sample tp x sp times.
 
 Expert parallelism needs nothing here: ep ranks are data-parallel ranks (they see their
-own samples). Pipeline and sequence parallelism are refused where the config is checked
+own samples). Pipeline parallelism is refused where the config is checked
 (fsdpx/hf/trainer.py).
 """
 
@@ -51,11 +55,20 @@ class MeshMixin:
     args: Any
     accelerator: Any
     gather_function: Any
+    _train_batch_size: int
     _fsdpx_dims: ParallelDims | None
 
     def get_tp_size(self) -> int:
         dims = getattr(self, "_fsdpx_dims", None)
         return 1 if dims is None else dims.tp
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        # The sp ranks of a group share samples, as tp ranks do ([Note: Trainer data over dp]).
+        dims = getattr(self, "_fsdpx_dims", None)
+        sharing = 1 if dims is None else dims.tp * dims.sp
+        return (
+            self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // sharing)
+        )
 
     def _install_mesh(self, dims: ParallelDims) -> None:
         """Route the accelerator's data loader preparation and evaluation gather through
@@ -66,9 +79,10 @@ class MeshMixin:
         if self.args.include_num_input_tokens_seen not in ("no", False):
             raise ValueError(
                 f"include_num_input_tokens_seen={self.args.include_num_input_tokens_seen!r} "
-                f"with mesh.tp={dims.tp}: the Trainer sums the tokens over every rank, and the "
-                f"{dims.tp} ranks of a tensor-parallel group see the same tokens, so the count "
-                "would be tp times too high; drop include_num_input_tokens_seen"
+                f"with mesh.tp={dims.tp}, mesh.sp={dims.sp}: the Trainer sums the tokens over "
+                f"every rank, and the {dims.tp * dims.sp} ranks of a tensor- x sequence-parallel "
+                "group see the same tokens, so the count would be tp x sp times too high; drop "
+                "include_num_input_tokens_seen"
             )
         self.accelerator.prepare_data_loader = self._prepare_data_loader_dp
         self.accelerator.gather_for_metrics = self._gather_for_metrics_dp
@@ -94,7 +108,8 @@ class MeshMixin:
         if acc.dispatch_batches:
             raise ValueError(
                 "accelerator_config.dispatch_batches=True: rank 0 would slice each batch over "
-                f"every rank, but the {dims.tp} ranks of a tensor-parallel group need the same "
+                f"every rank, but the {dims.tp * dims.sp} ranks of a tensor- x sequence-parallel "
+                "group need the same "
                 "samples; leave dispatch_batches off"
             )
         prepared = prepare_data_loader(
@@ -124,7 +139,7 @@ class MeshMixin:
         assert dims is not None
         if use_gather_object:
             raise ValueError(
-                "eval_use_gather_object=True with tensor parallelism: objects cannot be "
+                "eval_use_gather_object=True with tensor or sequence parallelism: objects cannot be "
                 "gathered over the data-parallel ranks only; leave eval_use_gather_object off"
             )
         world, group = dims.world_size, dims.sp * dims.tp
