@@ -16,9 +16,12 @@ from tests.hf_trainer_bodies import PatternData, training_args
 MESH_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     "tp2": ("llama", {"tensor_parallel": {"autotp_size": 2}}, 1),
     "ep2": ("mixtral", {"expert_parallel": {"enabled": True, "autoep_size": 2}}, 2),
-    # Ulysses over 2 ranks, ZeRO-3 over sp: both ranks train on halves of the same
-    # sequences, whose -100 labels fall unevenly on the halves (PatternData masked)
+    # sequence parallel over 2 ranks, ZeRO-3 over sp: both ranks train on halves of the
+    # same sequences, whose -100 labels fall unevenly on the halves (PatternData masked);
+    # Ulysses from a DeepSpeed JSON, ring attention from a native config (no DeepSpeed key
+    # selects it)
     "sp2": ("llama", {"sequence_parallel_size": 2}, 1),
+    "sp2ring": ("llama", {"mesh": {"sp": 2}, "context_parallel": {"mode": "ring"}}, 1),
     # 4 ranks (slow tier): two tp groups, each its own data-parallel rank
     "tp2dp2": ("llama", {"tensor_parallel": {"autotp_size": 2}}, 2),
 }
@@ -42,6 +45,18 @@ def _data(case: str, n: int = 64, seed: int = 0) -> PatternData:
 
 
 def _ds(case: str) -> dict[str, Any]:
+    if "mesh" in MESH_CASES[case][1]:
+        # A native config names its optimizer (the Trainer's is not used): training_args'
+        # AdamW, without weight decay (a native optimizer decays every parameter, the
+        # Trainer not biases and norms; _case_args sets it to 0 on both sides).
+        return {
+            "zero": {"stage": 3},
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.1,
+            "optimizer": {"type": "adamw", "lr": 3e-3, "weight_decay": 0.0},
+            **MESH_CASES[case][1],
+        }
     return {
         "zero_optimization": {"stage": 3},
         "train_micro_batch_size_per_gpu": "auto",
@@ -50,6 +65,10 @@ def _ds(case: str) -> dict[str, Any]:
         "gradient_clipping": "auto",
         **MESH_CASES[case][1],
     }
+
+
+def _case_args(case: str) -> dict[str, Any]:
+    return {"weight_decay": 0.0} if "mesh" in MESH_CASES[case][1] else {}
 
 
 def _args(out: Path, dp: int, **kw: Any) -> Any:
@@ -90,7 +109,7 @@ def stock(rank: int, world_size: int, tmp: str, cases: list[str]) -> dict[str, A
     out = {}
     for case in cases:
         model = _model(MESH_CASES[case][0])
-        args = _args(Path(tmp) / f"stock-{case}", 1, save_strategy="no")
+        args = _args(Path(tmp) / f"stock-{case}", 1, save_strategy="no", **_case_args(case))
         trainer = Trainer(model=model, args=args, train_dataset=_data(case))
         trainer.train()
         out[case] = _record(trainer, model, case)
@@ -109,7 +128,7 @@ def meshed(rank: int, world_size: int, tmp: str, cases: list[str]) -> dict[str, 
         model = _model(kind)
         trainer = Trainer(
             model=model,
-            args=_args(folder, dp),
+            args=_args(folder, dp, **_case_args(case)),
             train_dataset=_data(case),
             fsdpx_config=_ds(case),
         )
@@ -129,7 +148,7 @@ def meshed(rank: int, world_size: int, tmp: str, cases: list[str]) -> dict[str, 
         model = _model(kind)
         resumed = Trainer(
             model=model,
-            args=_args(folder, dp),
+            args=_args(folder, dp, **_case_args(case)),
             train_dataset=_data(case),
             fsdpx_config=_ds(case),
         )

@@ -205,39 +205,26 @@ def test_best_model_needs_the_checkpoints_fsdpx_state(tmp_path: Path) -> None:
         trainer._load_best_model()
 
 
-@pytest.mark.parametrize(
-    ("extra", "match"),
-    [
-        (
-            {"mesh": {"pp": 2}},
-            r"runs data-, tensor-, sequence- and expert-parallel meshes .* got "
-            r"mesh\.pp=2\. .*use fsdpx\.shard",
-        ),
-        (
-            {"mesh": {"sp": 2}, "context_parallel": {"mode": "ring"}},
-            r"context_parallel\.mode 'ring' under fsdpx\.hf\.Trainer .* use "
-            r"context_parallel\.mode 'ulysses'",
-        ),
-    ],
-)
-def test_trainer_refuses_pipeline_meshes_and_ring_attention(
-    tmp_path: Path, extra: dict, match: str
-) -> None:
-    """tp, sp (Ulysses) and ep run (tests/test_hf_trainer_mesh.py); pp and ring attention
-    are refused when the Trainer is built, before any sharding."""
+def test_trainer_refuses_pipeline_meshes(tmp_path: Path) -> None:
+    """tp, sp and ep run (tests/test_hf_trainer_mesh.py); pp is refused when the Trainer is
+    built, before any sharding."""
     from transformers import TrainingArguments
 
     from fsdpx.hf import Trainer
 
     model = _tiny_model()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"runs data-, tensor-, sequence- and expert-parallel meshes .* got mesh\.pp=2\. "
+        r".*use fsdpx\.shard",
+    ):
         Trainer(
             model=model,
             args=args,
             fsdpx_config={
                 "zero": {"stage": 2},
-                **extra,
+                "mesh": {"pp": 2},
                 "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
                 "gradient_clipping": args.max_grad_norm,
             },

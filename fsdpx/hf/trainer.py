@@ -47,12 +47,11 @@ transformers' own.
 
 Meshes: data parallel (ZeRO 0-3, HSDP), tensor parallel (`mesh.tp`: the data loaders
 split batches over the dp ranks only, fsdpx/hf/trainer_mesh.py, [Note: Trainer data over
-dp]), sequence parallel (`mesh.sp` with Ulysses: the sp ranks share samples as tp ranks
-do, and each step's batch is split by sequence with the loss kept the global token mean,
-fsdpx/hf/trainer_sequence.py, [Note: Trainer under sp]) and expert parallel (`mesh.ep`:
-ep ranks are dp ranks). Refused: pipeline parallelism (the Trainer's loop runs one forward
-and backward per micro-batch, a pipeline schedule runs them all at once) and ring
-attention (context_parallel.mode "ring": not yet matching the stock Trainer).
+dp]), sequence parallel (`mesh.sp`, Ulysses or ring attention: the sp ranks share samples
+as tp ranks do, and each step's batch is split by sequence with the loss kept the global
+token mean, fsdpx/hf/trainer_sequence.py, [Note: Trainer under sp]) and expert parallel
+(`mesh.ep`: ep ranks are dp ranks). Pipeline parallelism is refused: the Trainer's loop
+runs one forward and backward per micro-batch, a pipeline schedule runs them all at once.
 """
 
 from __future__ import annotations
@@ -201,16 +200,6 @@ class Trainer(CheckpointMixin, MeshMixin, SequenceMixin, transformers.Trainer): 
                 f"mesh.pp={cfg.mesh.pp}. The Trainer's loop runs one micro-batch at a time "
                 "(no pipeline schedule); use fsdpx.shard with engine.train_batch for pipeline "
                 "parallelism"
-            )
-        if cfg.mesh.sp > 1 and cfg.context_parallel.mode == "ring":
-            # Tried: a tiny Llama under the Trainer with ring attention logs the stock
-            # losses until the first step with a nonzero learning rate, then drifts (1e-2
-            # after one update) where Ulysses matches to fp32 tolerance; not yet explained.
-            raise NotImplementedError(
-                f"{source.name}: context_parallel.mode 'ring' under fsdpx.hf.Trainer is not "
-                "verified against the stock Trainer (its updates drift); use "
-                "context_parallel.mode 'ulysses' (the default), or ring attention through "
-                "fsdpx.shard with engine.train_batch"
             )
         if cfg.mesh.tp > 1 and cfg.tensor_parallel.sequence_parallel:
             # Tried: a tiny Llama fails in torch's PrepareModuleInput ("module inputs and

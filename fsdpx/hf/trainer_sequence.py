@@ -1,15 +1,16 @@
-"""The sequence-parallel side of `fsdpx.hf.Trainer` (`mesh.sp > 1`, Ulysses): each
+"""The sequence-parallel side of `fsdpx.hf.Trainer` (`mesh.sp > 1`, Ulysses or ring): each
 step's batch split by sequence, and the loss the Trainer logs and differentiates kept the
 mean over the global token count.
 
 [Note: Trainer under sp] The data loaders give the sp ranks of a group the same whole
 sequences (fsdpx/hf/trainer_mesh.py, [Note: Trainer data over dp]), and the model's
-attention is already routed through Ulysses by `fsdpx.shard` (fsdpx/hf/ulysses.py). What
-is left is where the Trainer meets the model:
+attention is already routed through Ulysses or ring attention by `fsdpx.shard`
+(fsdpx/hf/ulysses.py, fsdpx/hf/ring.py). What is left is where the Trainer meets the model:
 
 - `compute_loss` splits the batch with the engine's sequence plan (`shard_sequence`:
   labels shifted once on the whole sequence, [Note: pre-shifted labels] in
-  fsdpx/sequence/batch.py; global `position_ids`; a length sp does not divide padded with
+  fsdpx/sequence/batch.py; global `position_ids`; the ring's load-balanced chunks under
+  context_parallel.mode "ring"; a length sp does not divide padded with
   -100 labels, or refused with context_parallel.pad false), then runs the stock
   `compute_loss` on this rank's shard.
 - The token count. The Trainer counts the valid targets of the whole sequences before the
@@ -31,14 +32,12 @@ is left is where the Trainer meets the model:
 - Evaluation (`prediction_step`): the loss of a batch is each rank's scaled share, so it is
   averaged over the sp group (the stock value: dp x the dp rank's summed loss / the count),
   and logits (any sequence-shaped output) are gathered over the sp group back into whole
-  sequences in order (a ring layout's chunks would be put back too), padding dropped, before
+  sequences in order (the ring's load-balanced chunks put back), padding dropped, before
   the Trainer gathers them over the dp ranks.
 
 What the split cannot honour is refused when the Trainer is built: a `compute_loss_func`
 or label smoothing (they take whole, unshifted labels), and a model whose forward takes no
-`num_items_in_batch` (its loss would be each shard's own mean). Ring attention
-(context_parallel.mode "ring") is refused too (fsdpx/hf/trainer.py): under the Trainer its
-updates drift from the stock Trainer's after the first step, not yet explained.
+`num_items_in_batch` (its loss would be each shard's own mean).
 """
 
 from __future__ import annotations
