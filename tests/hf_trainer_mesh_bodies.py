@@ -22,6 +22,8 @@ MESH_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     # selects it)
     "sp2": ("llama", {"sequence_parallel_size": 2}, 1),
     "sp2ring": ("llama", {"mesh": {"sp": 2}, "context_parallel": {"mode": "ring"}}, 1),
+    # average_tokens_across_devices=False: the Trainer's token count is the rank's own
+    "sp2local": ("llama", {"sequence_parallel_size": 2}, 1),
     # 4 ranks (slow tier): two tp groups, each its own data-parallel rank
     "tp2dp2": ("llama", {"tensor_parallel": {"autotp_size": 2}}, 2),
 }
@@ -68,6 +70,8 @@ def _ds(case: str) -> dict[str, Any]:
 
 
 def _case_args(case: str) -> dict[str, Any]:
+    if case == "sp2local":
+        return {"average_tokens_across_devices": False}
     return {"weight_decay": 0.0} if "mesh" in MESH_CASES[case][1] else {}
 
 

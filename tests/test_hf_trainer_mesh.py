@@ -1,7 +1,8 @@
 """fsdpx.hf.Trainer beyond data parallelism, on 2 gloo ranks against the stock Trainer on
 one process (same data, seed, global batch): tensor parallel (mesh.tp = 2, a tiny Llama),
 expert parallel (mesh.ep = 2, a tiny Mixtral) and sequence parallel (mesh.sp = 2, Ulysses
-and ring attention, a tiny Llama, -100 labels spread unevenly over the sequence halves),
+and ring attention, a tiny Llama, -100 labels spread unevenly over the sequence halves;
+Ulysses again with average_tokens_across_devices off),
 ZeRO-3, accumulation 2, clipping on every step, the linear schedule; evaluate() and
 predict() over the dp ranks; checkpoint-N resume and save_model() in Hugging Face layout.
 Pipeline meshes are refused (tests/test_hf_trainer_config.py). In the slow tier, tp 2 x
@@ -20,12 +21,13 @@ from tests.hf_trainer_mesh_bodies import meshed, stock
 
 pytest.importorskip("transformers")
 
-CASES = ["tp2", "ep2", "sp2", "sp2ring"]
+CASES = ["tp2", "ep2", "sp2", "sp2ring", "sp2local"]
 MESHES = {
     "tp2": {"tp": 2, "sp": 1, "ep": 1, "dp": 1},
     "ep2": {"tp": 1, "sp": 1, "ep": 2, "dp": 2},
     "sp2": {"tp": 1, "sp": 2, "ep": 1, "dp": 1},
     "sp2ring": {"tp": 1, "sp": 2, "ep": 1, "dp": 1},
+    "sp2local": {"tp": 1, "sp": 2, "ep": 1, "dp": 1},
     "tp2dp2": {"tp": 2, "sp": 1, "ep": 1, "dp": 2},
 }
 
