@@ -374,6 +374,12 @@ class Engine:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
+    @property
+    def sequence(self) -> SequencePlan | None:
+        """The sequence-parallel plan under mesh.sp > 1 (how batches are split and the
+        loss scaled: fsdpx/sequence/plan.py), else None."""
+        return self._sequence
+
     def get_global_grad_norm(self) -> float | None:
         """Norm of the last step's gradients (computed when clipping is on)."""
         return self._last_grad_norm

@@ -336,11 +336,11 @@ class Trainer(CheckpointMixin, MeshMixin, SequenceMixin, transformers.Trainer): 
         assert self.engine is not None
         # The Trainer's loop decides the boundary (an epoch's last, shorter window too).
         self.engine._boundary_override = bool(self.accelerator.gradient_state.sync_gradients)
-        if self.engine._sequence is not None:
+        if self.engine.sequence is not None:
             # The loss already carries the sp ranks in the Trainer's loss scale; the
             # engine's sp factor is for plain shares ([Note: Trainer under sp] in
             # fsdpx/hf/trainer_sequence.py).
-            loss = loss / self.engine._sequence.size
+            loss = loss / self.engine.sequence.size
         # The Trainer already divided the loss for accumulation / token counts.
         self.engine.backward(loss, divide_by_accumulation=False)
 

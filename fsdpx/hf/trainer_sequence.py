@@ -92,7 +92,7 @@ class SequenceMixin:
             )
 
     def _sequence_plan(self) -> SequencePlan | None:
-        return None if self.engine is None else self.engine._sequence
+        return None if self.engine is None else self.engine.sequence
 
     def compute_loss(
         self,
