@@ -130,21 +130,11 @@ class Engine:
 
     @guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        token = self._clock.begin(FORWARD)
+        # A raise closes the span untimed (fsdpx/telemetry/phases.py [Note: spans closed
+        # on a raise]), as in backward, step and train_batch's loss.
         autocast = autocast_context(self.config.precision.autocast, self.device)
-        try:
-            with autocast, self._sequence_context():
-                out = self.module(*args, **kwargs)
-        except BaseException:
-            # [Note: spans closed on a raise] A span a raise left open would claim every
-            # comm wait timed later in the step (comm_wait_forward_s: fsdpx/telemetry/
-            # phases.py [Note: comm wait by phase]) until the publisher's take(). It is
-            # closed untimed (token None): recording a CUDA event after a CUDA error would
-            # raise again and hide the error.
-            self._clock.end(FORWARD, None)
-            raise
-        self._clock.end(FORWARD, token)
-        return out
+        with self._clock.span(FORWARD), autocast, self._sequence_context():
+            return self.module(*args, **kwargs)
 
     def _sequence_context(self) -> contextlib.AbstractContextManager[Any]:
         return self._sequence.context() if self._sequence else contextlib.nullcontext()
@@ -189,14 +179,8 @@ class Engine:
             factor /= self.config.gradient_accumulation_steps
         if self._sequence is not None:
             factor *= self._sequence.size  # [Note: sp gradient scale]
-        token = self._clock.begin(BACKWARD)
-        try:
-            with loss_context(self._loss_parallel):
-                (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-        except BaseException:
-            self._clock.end(BACKWARD, None)  # [Note: spans closed on a raise]
-            raise
-        self._clock.end(BACKWARD, token)
+        with self._clock.span(BACKWARD), loss_context(self._loss_parallel):
+            (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         if self.telemetry is not None:
             self.telemetry.observe_loss(loss)
         return loss
@@ -209,14 +193,9 @@ class Engine:
             self.micro_steps += 1
             return None
         self.micro_steps += 1
-        token = self._clock.begin(OPTIMIZER)
         scale = self.loss_scaler.scale
-        try:
+        with self._clock.span(OPTIMIZER):
             skipped = self._optimizer_boundary(scale)
-        except BaseException:
-            self._clock.end(OPTIMIZER, None)  # [Note: spans closed on a raise]
-            raise
-        self._clock.end(OPTIMIZER, token)
         self.global_steps += 1
         result = StepResult(self.global_steps, skipped, self._last_grad_norm, scale)
         if self.telemetry is not None:
@@ -312,14 +291,8 @@ class Engine:
                 m.train(mode)
 
     def _timed_loss(self, batch: Any) -> torch.Tensor:
-        token = self._clock.begin(FORWARD)
-        try:
-            loss = self._loss_of(batch)
-        except BaseException:
-            self._clock.end(FORWARD, None)  # [Note: spans closed on a raise]
-            raise
-        self._clock.end(FORWARD, token)
-        return loss
+        with self._clock.span(FORWARD):
+            return self._loss_of(batch)
 
     def _whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
         # Under sp each rank holds a share of the sequence's loss: report their sum.

@@ -173,6 +173,11 @@ class PhaseClock:
         if phase == COMM_WAIT and self._open >= 0:
             self._events.append((_SLOT0 + self._open, token, event))
 
+    def span(self, phase: int) -> Span:
+        """`with clock.span(FORWARD): ...`: begin, and end when the block ends; a block a
+        raise ends is closed untimed ([Note: spans closed on a raise])."""
+        return Span(self, phase)
+
     def add(self, phase: int, seconds: float) -> None:
         """Add wall time to `phase` (for spans measured elsewhere); a comm wait also to
         the span open now ([Note: comm wait by phase])."""
@@ -199,6 +204,29 @@ class PhaseClock:
         self._comm_in = [None] * len(COMM_SPLIT)
         self._open = -1  # (a span a raise left open: the next step's waits are not its)
         return out
+
+
+class Span:
+    """One span of a phase as a context manager (`PhaseClock.span`).
+
+    [Note: spans closed on a raise] A span a raise left open would claim every comm wait
+    timed later in the step ([Note: comm wait by phase]) until the publisher's take(). It
+    is closed untimed (token None): recording a CUDA event after a CUDA error would raise
+    again and hide the error.
+    """
+
+    __slots__ = ("_clock", "_phase", "_token")
+
+    def __init__(self, clock: PhaseClock, phase: int) -> None:
+        self._clock = clock
+        self._phase = phase
+        self._token: Token = None
+
+    def __enter__(self) -> None:
+        self._token = self._clock.begin(self._phase)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._clock.end(self._phase, self._token if exc_type is None else None)
 
 
 _CLOCK = PhaseClock()
