@@ -183,12 +183,13 @@ FSDPX_SHUFFLE_CLONES void shuffle_block(const uint8_t* __restrict src, uint8_t* 
 #ifdef FSDPX_SHUFFLE_X86
 // [Note: one-load shuffle] The loop above reads each source byte S times (once per plane,
 // the compiler vectorising each strided gather separately). These read 16 elements once:
-// a byte shuffle within each 16-byte load groups the bytes by plane, then 32-bit (S = 4) or
-// 64-bit (S = 2) unpacks transpose the groups, and each plane gets one 16-byte store. SSSE3
+// a byte shuffle within each 16-byte load groups the bytes by plane, then 32- and 64-bit
+// unpacks transpose the groups, and each plane gets one 16-byte store. SSSE3
 // only (pshufb), so one version serves every x86-64 CPU of the last 15 years. Measured on
 // 4 MiB fp32 chunks, one core (AVX-512 host, so against the v4 clone): 9.0 -> 12.7 GB/s in
 // cache, 5.9 -> 7.5 GB/s from a cold 600 MB source (a memcpy: 9.2-9.8), shuffle+CRC of
-// three planes 4.9 -> 6.0 GB/s cold; for S = 2 the clone was already as fast (11.9 -> 12.3).
+// three planes 4.9 -> 6.0 GB/s cold. For S = 2 the same treatment measured 11.9 -> 12.3
+// GB/s, within the spread, so 2-byte elements keep the compiler's clones.
 __attribute__((target("ssse3"))) inline __m128i load_by(const uint8_t* p, __m128i order) {
   return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), order);
 }
@@ -220,32 +221,7 @@ __attribute__((target("ssse3"))) void shuffle4_ssse3(const uint8_t* __restrict s
     store(p2 + i, _mm_unpacklo_epi64(ab_hi, cd_hi));
     store(p3 + i, _mm_unpackhi_epi64(ab_hi, cd_hi));
   }
-  for (; i < end; ++i) {
-    p0[i] = src[4 * i];
-    p1[i] = src[4 * i + 1];
-    p2[i] = src[4 * i + 2];
-    p3[i] = src[4 * i + 3];
-  }
-}
-
-__attribute__((target("ssse3"))) void shuffle2_ssse3(const uint8_t* __restrict src,
-                                                       uint8_t* __restrict dst, int64_t n,
-                                                       int64_t begin, int64_t end) {
-  const __m128i by_plane = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  uint8_t* p0 = dst;
-  uint8_t* p1 = dst + n;
-  int64_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    const uint8_t* s = src + 2 * i;
-    // a, b: low 8 bytes = byte 0 of 8 consecutive elements, high 8 = their byte 1
-    const __m128i a = load_by(s, by_plane), b = load_by(s + 16, by_plane);
-    store(p0 + i, _mm_unpacklo_epi64(a, b));
-    store(p1 + i, _mm_unpackhi_epi64(a, b));
-  }
-  for (; i < end; ++i) {
-    p0[i] = src[2 * i];
-    p1[i] = src[2 * i + 1];
-  }
+  shuffle_block<4>(src, dst, n, i, end);  // the last < 16 elements
 }
 
 bool has_ssse3() {
@@ -257,10 +233,9 @@ bool has_ssse3() {
 template <int S>
 void shuffle_block_best(const uint8_t* src, uint8_t* dst, int64_t n, int64_t begin, int64_t end) {
 #ifdef FSDPX_SHUFFLE_X86
-  if constexpr (S == 4 || S == 2) {
+  if constexpr (S == 4) {
     if (has_ssse3()) {
-      if constexpr (S == 4) shuffle4_ssse3(src, dst, n, begin, end);
-      else shuffle2_ssse3(src, dst, n, begin, end);
+      shuffle4_ssse3(src, dst, n, begin, end);
       return;
     }
   }
