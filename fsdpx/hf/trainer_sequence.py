@@ -50,8 +50,8 @@ from accelerate.utils import recursively_apply
 from torch import nn
 
 from fsdpx.parallel_dims import ParallelDims
+from fsdpx.sequence.batch import unshard_sequence
 from fsdpx.sequence.plan import SequencePlan
-from fsdpx.sequence.ring import ring_chunks
 
 __all__ = ["SequenceMixin"]
 
@@ -164,19 +164,9 @@ class SequenceMixin:
 def _whole_sequences(outputs: Any, plan: SequencePlan, seq: int) -> Any:
     """Each sequence-shaped tensor of `outputs` gathered over the sp group along dim 1, in
     sequence order, without the padding shard_sequence added."""
-    n_chunks = 2 * plan.size if plan.ring else plan.size
-    local = -(-seq // n_chunks) * n_chunks // plan.size
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() < 2 or t.shape[1] != local:
-            return t
-        parts = [torch.empty_like(t) for _ in range(plan.size)]
-        dist.all_gather(parts, t.contiguous(), group=plan.group)
-        chunks: dict[int, torch.Tensor] = {}
-        for rank, part in enumerate(parts):
-            mine = ring_chunks(rank, plan.size, balanced=plan.ring)
-            for index, piece in zip(mine, part.chunk(len(mine), dim=1), strict=True):
-                chunks[index] = piece
-        return torch.cat([chunks[i] for i in range(n_chunks)], dim=1)[:, :seq]
-
-    return recursively_apply(gather, outputs)
+    return recursively_apply(
+        lambda t: unshard_sequence(
+            t, seq=seq, size=plan.size, group=plan.group, balanced=plan.ring
+        ),
+        outputs,
+    )

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fsdpx.sequence.ring import ring_chunks
@@ -110,13 +111,12 @@ def _shard(
     if "position_ids" not in data:
         batch = data[key].shape[0]
         data["position_ids"] = torch.arange(seq, device=data[key].device).expand(batch, seq)
-    n_chunks = 2 * size if balanced else size
+    n_chunks, padded = _layout(seq, size, balanced)
     what = (
         f"2 x mesh.sp = {n_chunks} (ring attention's load-balanced layout)"
         if balanced
         else f"mesh.sp = {size}"
     )
-    padded = -(-seq // n_chunks) * n_chunks
     if padded != seq:
         if not pad:
             raise ValueError(
@@ -139,6 +139,34 @@ def _shard(
         chunks = value.chunk(n_chunks, dim=1)
         out[name] = torch.cat([chunks[c] for c in mine], dim=1).contiguous()
     return out
+
+
+def _layout(seq: int, size: int, balanced: bool) -> tuple[int, int]:
+    """How a sequence of `seq` tokens is cut: (chunks, padded length). Ring attention's
+    load-balanced layout takes 2 x size chunks, the contiguous one size."""
+    n_chunks = 2 * size if balanced else size
+    return n_chunks, -(-seq // n_chunks) * n_chunks
+
+
+def unshard_sequence(
+    value: Tensor, *, seq: int, size: int, group: Any, balanced: bool = False
+) -> Tensor:
+    """The inverse of shard_sequence for one tensor: every sp rank's shard of a
+    sequence-shaped tensor (dim 1) gathered over `group` and put back in sequence order,
+    without the padding shard_sequence added. A tensor not shaped like a shard of a
+    `seq`-token sequence is returned as it is (collective: every rank of `group` calls it
+    with the same shapes)."""
+    n_chunks, padded = _layout(seq, size, balanced)
+    if value.dim() < 2 or value.shape[1] != padded // size:
+        return value
+    parts = [torch.empty_like(value) for _ in range(size)]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    chunks: dict[int, Tensor] = {}
+    for rank, part in enumerate(parts):
+        mine = ring_chunks(rank, size, balanced=balanced)
+        for index, piece in zip(mine, part.chunk(len(mine), dim=1), strict=True):
+            chunks[index] = piece
+    return torch.cat([chunks[i] for i in range(n_chunks)], dim=1)[:, :seq]
 
 
 def _pad(value: Tensor, name: str, extra: int, pad_token_id: int) -> Tensor:
